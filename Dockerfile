@@ -1,0 +1,29 @@
+# vllm-3x3090: vLLM 0.30.0 + the patches/ series, for 3x RTX 3090 (sm_86).
+#
+# The base image is pinned by tag; pin it by digest for reproducible builds:
+#   docker build --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.30.0@sha256:8a69ffad015f138d7170c4ddc429e230a3bc1c1719f67e14324749df200a4b90 .
+# (the multi-arch index digest a public mirror reports; verify it with
+#  `docker buildx imagetools inspect vllm/vllm-openai:v0.30.0`).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.30.0
+FROM ${VLLM_IMAGE}
+
+# The apply step uses only stdlib Python (no git, no patch, no downloads).
+COPY patches/ /opt/vllm-3x3090/patches/
+COPY scripts/vllm_patches.py /opt/vllm-3x3090/scripts/vllm_patches.py
+COPY docker/entrypoint.sh /opt/vllm-3x3090/entrypoint.sh
+
+# apply refuses a vllm other than 0.30.0, any file that differs from the
+# wheel's RECORD, any hunk that needs an offset or fuzz, and a second apply;
+# it dry-runs the whole series before writing, byte-compiles what it touched
+# and records a manifest in vllm/_vllm_3x3090/. --check then re-verifies.
+RUN set -eux; \
+    SITE="$(python3 -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')"; \
+    python3 /opt/vllm-3x3090/scripts/vllm_patches.py --patches /opt/vllm-3x3090/patches apply "$SITE"; \
+    python3 /opt/vllm-3x3090/scripts/vllm_patches.py --patches /opt/vllm-3x3090/patches apply --check "$SITE"; \
+    chmod +x /opt/vllm-3x3090/entrypoint.sh
+
+LABEL org.opencontainers.image.title="vllm-3x3090" \
+      org.opencontainers.image.description="vLLM 0.30.0 patched for Qwen3.8-Flash-Next on 3x RTX 3090"
+
+# Prints the manifest and the gates, then execs `vllm serve "$@"`.
+ENTRYPOINT ["/opt/vllm-3x3090/entrypoint.sh"]

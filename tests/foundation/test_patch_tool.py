@@ -1,0 +1,241 @@
+"""scripts/vllm_patches.py on real trees: the pristine 0.30.0 wheel unpacked
+(hard-linked copies; the tool writes by temp + rename, so the shared pristine
+copy is never modified through a link) and the repository's real series."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import vllm_patches as vp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def pristine() -> Path:
+    return vp.pristine_cache(log=lambda *a: None)
+
+
+def linked_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns(".ok"))
+    return dst
+
+
+@pytest.fixture
+def target(pristine, tmp_path) -> vp.Target:
+    return vp.Target(linked_copy(pristine, tmp_path / "site"))
+
+
+def record_ok(t: vp.Target, rels) -> list[str]:
+    rec = t.record()
+    return [r for r in rels if vp.record_digest((t.root / r).read_bytes()) != rec[r]]
+
+
+def write_series(d: Path, patches: dict[str, bytes]) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    for name, raw in patches.items():
+        (d / name).write_bytes(raw)
+    (d / "series").write_text("".join(n + "\n" for n in patches))
+    return d
+
+
+def real_patches() -> dict[str, bytes]:
+    return {p.name: p.raw for p in vp.load_series(vp.PATCH_DIR)}
+
+
+def test_pristine_tree_applies_and_checks(target):
+    m = vp.apply_series(target, log=lambda *a: None)
+    assert m["state"] == "complete"
+    assert [e["name"] for e in m["series"]] == [p.name for p in vp.load_series()]
+    assert all(e["gate"].startswith("VLLM_") for e in m["series"])
+    vp.check_applied(target)
+    # Each touched .py was byte-compiled.
+    for rel, digest in m["files"].items():
+        if digest and rel.endswith(".py"):
+            p = target.root / rel
+            assert list((p.parent / "__pycache__").glob(p.stem + ".*.pyc")), rel
+
+
+def test_second_apply_refused(target):
+    vp.apply_series(target, log=lambda *a: None)
+    with pytest.raises(vp.PatchError, match="already applied"):
+        vp.apply_series(target, log=lambda *a: None)
+
+
+def test_modified_base_file_refused_by_name(target):
+    existing, _ = vp.base_files(vp.load_series())
+    victim = existing[0]
+    p = target.root / victim
+    data = p.read_bytes()
+    p.unlink()  # break the hard link before writing
+    p.write_bytes(data + b"\n# local edit\n")
+    with pytest.raises(vp.PatchError, match=victim.replace(".", r"\.")):
+        vp.apply_series(target, log=lambda *a: None)
+    assert not target.manifest_path.exists()
+
+
+def test_wrong_version_refused(target):
+    meta = target.dist_info() / "METADATA"
+    text = meta.read_text().replace("Version: 0.30.0", "Version: 0.29.1", 1)
+    meta.unlink()
+    meta.write_text(text)
+    with pytest.raises(vp.PatchError, match=r"installed vllm is 0\.29\.1.*0\.30\.0"):
+        vp.apply_series(target, log=lambda *a: None)
+
+
+def _shift_first_hunk(raw: bytes, by: int) -> bytes:
+    text = raw.decode()
+    i = text.index("\n@@ -") + 1
+    j = text.index(" @@", i)
+    old, new = text[i + 4:j].split(" +")
+    o, oc = old.split(",")
+    n, nc = new.split(",")
+    hdr = f"@@ -{int(o) + by},{oc} +{int(n) + by},{nc}"
+    return (text[:i] + hdr + text[j:]).encode()
+
+
+def test_offset_refused_though_git_accepts_it(target, tmp_path):
+    patches = real_patches()
+    first = next(iter(patches))
+    shifted = dict(patches)
+    shifted[first] = _shift_first_hunk(patches[first], 2)
+    d = write_series(tmp_path / "p", shifted)
+    # git apply takes it (at an offset): the exact-position rule is ours.
+    r = subprocess.run(["git", "apply", "--check", "-p1", str(d / first)], cwd=target.root,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(vp.PatchError, match="offsets and fuzz are refused"):
+        vp.apply_series(target, d, log=lambda *a: None)
+    assert not target.manifest_path.exists()
+    assert record_ok(target, vp.base_files(vp.load_series(d))[0]) == []
+
+
+def test_fuzz_refused_and_nothing_written(target, tmp_path):
+    """One context line of a hunk differs from the tree (what `patch -F1`
+    would still apply): refused, and nothing written."""
+    patches = real_patches()
+    first = next(iter(patches))
+    text = patches[first].decode()
+    i = text.index("\n@@ -") + 1
+    k = text.index("\n ", i) + 1  # first context line of the first hunk
+    fuzzed = (text[:k] + " # not the upstream line" + text[text.index("\n", k):]).encode()
+    d = write_series(tmp_path / "p", {first: fuzzed})
+    with pytest.raises(vp.PatchError, match="does not match"):
+        vp.apply_series(target, d, log=lambda *a: None)
+    assert not target.manifest_path.exists()
+    existing, created = vp.base_files(vp.load_series(d))
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+
+
+def test_dry_run_covers_whole_series(target, tmp_path):
+    """Good first patch, broken second: nothing may be written."""
+    patches = real_patches()
+    first = next(iter(patches))
+    broken = _shift_first_hunk(patches[first], 5)
+    d = write_series(tmp_path / "p", {**patches, "9990-broken.patch": broken})
+    with pytest.raises(vp.PatchError):
+        vp.apply_series(target, d, log=lambda *a: None)
+    existing, created = vp.base_files(vp.load_series(vp.PATCH_DIR))
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+    assert not target.manifest_path.exists()
+
+
+def test_half_applied_tree_refused(target):
+    target.manifest_dir.mkdir(parents=True)
+    target.manifest_path.write_text(json.dumps({"state": "applying", "series": []}))
+    with pytest.raises(vp.PatchError, match="half-applied"):
+        vp.apply_series(target, log=lambda *a: None)
+
+
+def test_check_names_a_modified_patched_file(target):
+    m = vp.apply_series(target, log=lambda *a: None)
+    rel = next(r for r, d in m["files"].items() if d)
+    p = target.root / rel
+    data = p.read_bytes()
+    p.unlink()
+    p.write_bytes(data + b"# drift\n")
+    with pytest.raises(vp.PatchError, match=rel.replace(".", r"\.")):
+        vp.check_applied(target)
+
+
+def test_check_detects_other_series(target, tmp_path):
+    vp.apply_series(target, log=lambda *a: None)
+    patches = real_patches()
+    first = next(iter(patches))
+    d = write_series(tmp_path / "p", {first: patches[first] + b"\n"})
+    with pytest.raises(vp.PatchError, match="series differs"):
+        vp.check_applied(target, d)
+
+
+def test_reverse_apply_restores_record_hashes(target):
+    m = vp.apply_series(target, log=lambda *a: None)
+    existing, created = vp.base_files(vp.load_series())
+    assert record_ok(target, existing) != [] or not existing
+    vp.revert_series(target, log=lambda *a: None)
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+    assert not target.manifest_dir.exists()
+    # ... and it applies again afterwards.
+    vp.apply_series(target, log=lambda *a: None)
+    assert len(m["series"]) == len(vp.load_series())
+
+
+def test_tree_export_round_trip_is_byte_stable(tmp_path):
+    tree = tmp_path / "tree"
+    vp.make_tree(tree, log=lambda *a: None)
+    log = vp.git(tree, "log", "--format=%s", "pristine..HEAD").decode().split()
+    assert list(reversed(log)) == [Path(p.name).stem for p in vp.load_series()]
+    out = tmp_path / "exported"
+    shutil.copytree(vp.PATCH_DIR, out)
+    vp.export_tree(tree, out, log=lambda *a: None)
+    for f in sorted(vp.PATCH_DIR.iterdir()):
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    assert sorted(x.name for x in out.iterdir()) == sorted(x.name for x in vp.PATCH_DIR.iterdir())
+    # Twice: nothing changes.
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    vp.export_tree(tree, out, log=lambda *a: None)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def test_export_of_an_edit_updates_only_that_patch(tmp_path):
+    tree = tmp_path / "tree"
+    vp.make_tree(tree, log=lambda *a: None)
+    out = tmp_path / "exported"
+    shutil.copytree(vp.PATCH_DIR, out)
+    f = tree / "vllm" / "patch_gates.py"
+    f.write_text(f.read_text() + "\n# edited\n")
+    first = vp.git(tree, "rev-list", "--reverse", "pristine..HEAD").decode().split()[0]
+    vp.git(tree, "add", "-A")
+    vp.git(tree, "commit", "-q", f"--fixup={first}")
+    vp.git(tree, "-c", "sequence.editor=true", "rebase", "-q", "-i", "--autosquash", "pristine")
+    written = []
+    vp.export_tree(tree, out, log=written.append)
+    assert written == ["wrote 0010-patch-gates.patch"]
+    assert b"+# edited" in (out / "0010-patch-gates.patch").read_bytes()
+
+
+def test_fetch_refuses_a_wrong_sha(tmp_path):
+    name, _ = vp.pinned_wheel()
+    (tmp_path / name).write_bytes(b"not the wheel")
+    with pytest.raises(vp.PatchError, match="sha256 .* != pinned"):
+        vp.fetch_wheel(tmp_path, log=lambda *a: None)
+
+
+def test_cli_apply_check_and_refusal_exit_codes(target):
+    run = lambda *a: subprocess.run(["python3", str(REPO / "scripts" / "vllm_patches.py"), *a],
+                                    capture_output=True, text=True)
+    r = run("apply", "--check", str(target.root))
+    assert r.returncode == 2 and "not patched" in r.stderr
+    assert run("apply", str(target.root / "vllm")).returncode == 0
+    r = run("apply", "--check", str(target.root))
+    assert r.returncode == 0 and "unmodified" in r.stdout
+    r = run("apply", str(target.root))
+    assert r.returncode == 2 and "already applied" in r.stderr
