@@ -189,3 +189,11 @@ def test_every_vllm_variable_named_is_declared():
             if not OWN.match(name) and name not in known:
                 unknown.setdefault(name, []).append(f.name)
     assert not unknown, f"VLLM_* named but declared neither upstream nor by a patch: {unknown}"
+
+
+def test_ab_variant_in_sync_with_series():
+    text = (REPO / "compose" / "ab.yaml").read_text()
+    assert text == vp.compose_ab(), "stale: run `python3 scripts/vllm_patches.py gates --compose-ab compose/ab.yaml`"
+    env = yaml.safe_load(text)["services"]["vllm"]["environment"]
+    want = {p.gate for p in vp.load_series() if not vp.is_opt_in(p)}
+    assert set(env) == want
