@@ -20,7 +20,9 @@ a 42k prompt logged 4,206 tok/s while its first token took 100 s).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import hashlib
 import http.client
 import json
 import math
@@ -373,26 +375,39 @@ def filler_text(seed: int, n_words: int) -> str:
     return "\n\n".join(" ".join(words[i:i + 80]) for i in range(0, len(words), 80))
 
 
-def build_prompt(n_tokens: int, seed: int, count_tokens=None, tolerance: float = 0.01) -> tuple[str, int | None]:
-    """Filler text of about n_tokens tokens + INSTRUCTION.
+def words_for_tokens(n_tokens: int, seed: int = 0, count_tokens=None, tolerance: float = 0.01) -> tuple[int, int | None]:
+    """Word count of filler_text that makes about n_tokens tokens.
 
-    count_tokens(text) -> int | None (the server's /tokenize). With it the
-    word count is corrected up to 4 times until within `tolerance`; returns
-    (prompt, measured tokens of the filler or None when only estimated).
-    n_tokens == 0 gives the instruction alone (the chat template's own tokens
-    remain).
+    count_tokens(text) -> int | None is the server's /tokenize; with it the
+    count is corrected up to 4 times until within `tolerance`. Returns
+    (n_words, measured tokens, or None when only TOKENS_PER_WORD estimated).
     """
     if n_tokens <= 0:
-        return INSTRUCTION, 0
+        return 0, 0
     n_words = max(1, int(round(n_tokens / TOKENS_PER_WORD)))
     measured = None
     for _ in range(4):
-        text = filler_text(seed, n_words)
-        measured = count_tokens(text) if count_tokens else None
+        measured = count_tokens(filler_text(seed, n_words)) if count_tokens else None
         if measured is None or abs(measured - n_tokens) <= tolerance * n_tokens:
             break
         n_words = max(1, int(round(n_words * n_tokens / max(1, measured))))
-    return text + "\n\n" + INSTRUCTION, measured
+    return n_words, measured
+
+
+def prompt_text(seed: int, n_words: int, head: str = "") -> str:
+    """head + filler + INSTRUCTION; n_words == 0 gives the instruction alone
+    (a "0-token" prompt: only the chat template's and the instruction's tokens)."""
+    parts = [head] if head else []
+    if n_words > 0:
+        parts.append(filler_text(seed, n_words))
+    parts.append(INSTRUCTION)
+    return "\n\n".join(parts)
+
+
+def build_prompt(n_tokens: int, seed: int, count_tokens=None, tolerance: float = 0.01) -> tuple[str, int | None]:
+    """Filler of about n_tokens tokens + INSTRUCTION: (prompt, measured filler tokens or None)."""
+    n_words, measured = words_for_tokens(n_tokens, seed, count_tokens, tolerance)
+    return prompt_text(seed, n_words), measured
 
 
 # --------------------------------------------------------------------------
@@ -479,6 +494,22 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def stable_int(s: str) -> int:
+    """A seed from a string, the same in every process (hash() is salted)."""
+    return int.from_bytes(hashlib.sha256(s.encode()).digest()[:6], "little")
+
+
+def json_arg(s: str):
+    """argparse type: a JSON value, or @FILE holding one."""
+    if s.startswith("@"):
+        with open(s[1:]) as f:
+            s = f.read()
+    try:
+        return json.loads(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
 
 
 def fmt(x, spec: str = ".1f", none: str = "-") -> str:
