@@ -61,6 +61,20 @@ say() { printf '%s\n' "$*"; }
 die() { say "smoke: FAIL: $*" >&2; exit 1; }
 show() { printf '+'; printf ' %q' "$@"; printf '\n'; }
 
+cleanup() {
+  if [[ $MODE == compose && $STARTED == 1 ]]; then
+    say "smoke: stopping $CONTAINER"
+    "${stop_cmd[@]}" >/dev/null 2>&1 || true
+  elif [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    say "smoke: stopping server pid $SERVER_PID"
+    kill "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    if kill -0 "$SERVER_PID" 2>/dev/null; then kill -9 "$SERVER_PID" 2>/dev/null || true; fi
+  fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
 compose_f=()
 for f in $FILES; do compose_f+=(-f "$f"); done
 read -r -a compose_cmd <<<"$COMPOSE"
@@ -107,19 +121,6 @@ if [[ $DRY == 1 ]]; then
   exit 0
 fi
 
-cleanup() {
-  if [[ $MODE == compose && $STARTED == 1 ]]; then
-    say "smoke: stopping $CONTAINER"
-    "${stop_cmd[@]}" >/dev/null 2>&1 || true
-  elif [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    say "smoke: stopping server pid $SERVER_PID"
-    kill "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -9 "$SERVER_PID" 2>/dev/null || true
-  fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 
 server_log() {
   if [[ $MODE == compose ]]; then "${logs_cmd[@]}" 2>&1 || true; else cat "$LOG" 2>/dev/null || true; fi
