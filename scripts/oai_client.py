@@ -259,8 +259,9 @@ class Client:
                 except ValueError:
                     res.error = f"bad SSE payload: {payload[:200]!r}"
                     return res
-                if "error" in ev and not ev.get("choices"):
-                    res.error = json.dumps(ev["error"])[:500]
+                if ("error" in ev or ev.get("object") == "error") and not ev.get("choices"):
+                    # vLLM reports a failure after the 200 header as an error event.
+                    res.error = json.dumps(ev.get("error", ev))[:500]
                     return res
                 usage = ev.get("usage")
                 if usage:

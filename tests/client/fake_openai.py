@@ -65,6 +65,7 @@ class FakeConfig:
     diverge_at: int | None = None
     tokenize: bool = True
     metrics: bool = True
+    itl_file: str | None = None  # if this file exists, its number replaces `itl` (set by fake_compose.py)
 
 
 class FakeState:
@@ -79,6 +80,12 @@ class FakeState:
 
     def itl(self, i: int) -> float:
         d = self.cfg.itl
+        if self.cfg.itl_file:
+            try:
+                with open(self.cfg.itl_file) as f:
+                    d = float(f.read())
+            except (OSError, ValueError):
+                pass
         return d[i % len(d)] if isinstance(d, (list, tuple)) else d
 
 
