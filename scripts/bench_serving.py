@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", choices=["warm", "cold", "both"], default="warm",
                     help="warm: cached prefix; cold: unread prompts (default: %(default)s)")
     ap.add_argument("--cold-salt", default="", help="makes cold prompts differ between invocations (A/B sides)")
+    ap.add_argument("--kv-capacity-tokens", type=int, default=4 * 262144,
+                    help="skip configurations that hold more tokens at once (streams x (prompt + output)); "
+                         "default 4 x 262144 (the production KV capacity; MTP build: 2 x 262144; 0: no limit)")
     ap.add_argument("--max-tokens", type=int, default=256, help="output tokens per stream (ignore_eos)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--runs", type=int, default=3)
@@ -229,8 +232,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prefixes = ["warm", "cold"] if args.prefix == "both" else [args.prefix]
-    configs = [(p, m, c) for p in args.prompt_tokens for m in prefixes for c in args.concurrency
-               if not (m == "cold" and p == 0)]
+    configs, skipped = [], []
+    for p in args.prompt_tokens:
+        for m in prefixes:
+            for c in args.concurrency:
+                if m == "cold" and p == 0:
+                    continue  # nothing to be cold about
+                if args.kv_capacity_tokens and c * (p + args.max_tokens) > args.kv_capacity_tokens:
+                    skipped.append(f"{p} tokens x {c} streams")
+                    continue
+                configs.append((p, m, c))
+    if skipped:
+        print(f"skipped (more than --kv-capacity-tokens {args.kv_capacity_tokens} held at once: the server "
+              f"would queue or preempt): {', '.join(dict.fromkeys(skipped))}", file=sys.stderr)
     n_requests = sum((args.warmup + args.runs) * c for _, _, c in configs)
     bar = tqdm(total=n_requests, desc="requests", file=sys.stderr) if tqdm else None
     bench = Bench(client, args.model, max_tokens=args.max_tokens, seed=args.seed, temperature=args.temperature,
@@ -247,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "scripts/bench_serving.py", "command": ["python3", "scripts/bench_serving.py"] + (sys.argv[1:] if argv is None else list(argv)),
         "started_at": started, "wall_s": time.monotonic() - t0, "label": args.label,
         "base_url": args.base_url, "model": args.model,
+        "skipped_configs": skipped,
         "settings": {"max_tokens": args.max_tokens, "warmup": args.warmup, "runs": args.runs, "seed": args.seed,
                      "temperature": args.temperature, "cold_salt": args.cold_salt,
                      "extra_body": args.extra_body},

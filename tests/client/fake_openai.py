@@ -65,6 +65,8 @@ class FakeConfig:
     diverge_at: int | None = None
     tokenize: bool = True
     metrics: bool = True
+    stream_error_after: int | None = None  # stream: after this many tokens send an error event
+    abort_after: int | None = None  # stream: after this many tokens close the connection
     itl_file: str | None = None  # if this file exists, its number replaces `itl` (set by fake_compose.py)
 
 
@@ -265,6 +267,14 @@ class Handler(BaseHTTPRequestHandler):
             for i, p in enumerate(pieces):
                 if i:
                     time.sleep(st.itl(i - 1))
+                if cfg.abort_after is not None and i == cfg.abort_after:
+                    return
+                if cfg.stream_error_after is not None and i == cfg.stream_error_after:
+                    self.sse({"object": "error", "message": "engine dead", "type": "InternalServerError",
+                              "code": 500})
+                    self.raw_chunk(b"data: [DONE]\n\n")
+                    self.raw_chunk(b"")
+                    return
                 self.sse(dict(base, choices=[{"index": 0, "delta": {"content": p}, "finish_reason": None}]))
             self.sse(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "length"}]))
             if (body.get("stream_options") or {}).get("include_usage"):

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,7 +35,8 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
     png = tmp_path / "bench.png"
     with FakeServer(cfg) as srv:
         rc = bench_serving.main(["--base-url", srv.base_url, "--api-key", KEY, "--concurrency", "1,3",
-                                 "--prompt-tokens", "0,3000", "--max-tokens", "21", "--timeout", "20",
+                                 "--prompt-tokens", "0,3000,6000", "--max-tokens", "21", "--timeout", "20",
+                                 "--kv-capacity-tokens", "15000",
                                  "--json", str(out), "--plot", str(png)])
         reqs = list(srv.state.requests)
         max_active = srv.state.max_active
@@ -42,7 +44,8 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
     d = json.loads(out.read_text())
     assert d["command"][1] == "scripts/bench_serving.py"
     by = {(r["prompt_tokens"], r["concurrency"]): r for r in d["results"]}
-    assert set(by) == {(0, 1), (0, 3), (3000, 1), (3000, 3)}
+    assert set(by) == {(0, 1), (0, 3), (3000, 1), (3000, 3), (6000, 1)}  # 3 x 6021 > 15000: skipped
+    assert d["skipped_configs"] == ["6000 tokens x 3 streams"]
     for (p, conc), r in by.items():
         s = r["summary"]
         assert len(r["runs"]) == 3 and s["errors"] == 0 and s["requests"] == 3 * conc
@@ -58,7 +61,7 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
     assert 2980 <= by[(3000, 1)]["summary"]["prompt_tokens_server_median"] <= 3100
     assert max_active == 3  # the 3 streams really overlapped
     chats = [b for p, b in reqs if p == "/v1/chat/completions"]
-    assert len(chats) == (1 + 3) * (1 + 3) * 2  # (warm-up + 3 runs) x streams x lengths
+    assert len(chats) == (1 + 3) * ((1 + 3) * 2 + 1)  # (warm-up + 3 runs) x streams of every config
     assert all(b["ignore_eos"] and b["max_tokens"] == 21 and b["seed"] == 0 and b["stream"] for b in chats)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -107,3 +110,19 @@ def test_stats_helpers():
     assert oc.percentile([1.0, 2.0], 50) == 1.5
     assert bench_serving.int_list("0,8k,64K,250000") == [0, 8192, 65536, 250000]
     assert oc.parse_prometheus('a_total{x="1"} 2\na_total{x="2"} 3\n# c\nb 1e3\n') == {"a_total": 5.0, "b": 1000.0}
+
+
+def test_broken_streams_are_errors_and_requests_are_bounded():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    with FakeServer(FakeConfig(ttft=0.0, itl=0.001, stream_error_after=3)) as srv:
+        r = oc.Client(srv.base_url, KEY, timeout=5).stream_chat(body)
+    assert not r.ok and "engine dead" in r.error and len(r.chunk_times) == 3
+    with FakeServer(FakeConfig(ttft=0.0, itl=0.001, abort_after=4)) as srv:
+        r = oc.Client(srv.base_url, KEY, timeout=5).stream_chat(body)
+    assert not r.ok and len(r.chunk_times) == 4
+    # a server that stalls: the request ends at the client's timeout, not when the server resumes
+    with FakeServer(FakeConfig(ttft=0.0, itl=[0.001, 3.0])) as srv:
+        t0 = time.monotonic()
+        r = oc.Client(srv.base_url, KEY, timeout=0.5).stream_chat(body)
+        assert time.monotonic() - t0 < 1.5
+    assert not r.ok and "timed out" in r.error.lower()
