@@ -28,14 +28,14 @@ def test_stream_timing_matches_server_delays():
 
 
 def test_bench_config_median_vs_mean_and_prefill(tmp_path):
-    # 9 gaps of 10 ms then one of 50 ms, cyclic: median 10 ms, mean 14 ms.
-    pattern = [0.010] * 9 + [0.050]
+    # 4 gaps of 8 ms then one of 40 ms, cyclic: median 8 ms, mean 14.4 ms.
+    pattern = [0.008] * 4 + [0.040]
     cfg = FakeConfig(ttft=0.05, prefill_per_token=20e-6, itl=pattern)
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
     with FakeServer(cfg) as srv:
         rc = bench_serving.main(["--base-url", srv.base_url, "--api-key", KEY, "--concurrency", "1,3",
-                                 "--prompt-tokens", "0,3000,6000", "--max-tokens", "21", "--timeout", "20",
+                                 "--prompt-tokens", "0,3000,6000", "--max-tokens", "11", "--timeout", "20",
                                  "--kv-capacity-tokens", "15000",
                                  "--json", str(out), "--plot", str(png)])
         reqs = list(srv.state.requests)
@@ -44,16 +44,16 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
     d = json.loads(out.read_text())
     assert d["command"][1] == "scripts/bench_serving.py"
     by = {(r["prompt_tokens"], r["concurrency"]): r for r in d["results"]}
-    assert set(by) == {(0, 1), (0, 3), (3000, 1), (3000, 3), (6000, 1)}  # 3 x 6021 > 15000: skipped
+    assert set(by) == {(0, 1), (0, 3), (3000, 1), (3000, 3), (6000, 1)}  # 3 x 6011 > 15000: skipped
     assert d["skipped_configs"] == ["6000 tokens x 3 streams"]
     for (p, conc), r in by.items():
         s = r["summary"]
         assert len(r["runs"]) == 3 and s["errors"] == 0 and s["requests"] == 3 * conc
-        assert 9.0 <= s["itl_ms"]["median"] <= 13.0, s["itl_ms"]
-        assert 13.0 <= s["itl_ms"]["mean"] <= 17.5, s["itl_ms"]
-        # 20 gaps per stream: 18 x 10 ms + 2 x 50 ms = 0.28 s -> 20 / 0.28 = 71.4 tok/s
-        assert 55 <= s["tok_s_per_stream_mean"] <= 72.5
-        assert s["total_tok_s_mean"] > 0.8 * conc * 21 / (0.28 + 0.05 + 20e-6 * p + 0.1)
+        assert 7.5 <= s["itl_ms"]["median"] <= 11.0, s["itl_ms"]
+        assert 13.0 <= s["itl_ms"]["mean"] <= 18.0, s["itl_ms"]
+        # 10 gaps per stream: 8 x 8 ms + 2 x 40 ms = 0.144 s -> 10 / 0.144 = 69.4 tok/s
+        assert 52 <= s["tok_s_per_stream_mean"] <= 70.5
+        assert s["total_tok_s_mean"] > 0.8 * conc * 11 / (0.144 + 0.05 + 20e-6 * p + 0.1)
         expect_ttft = 0.05 + 20e-6 * s["prompt_tokens_server_median"]
         assert expect_ttft - 0.002 <= s["ttft_s"]["median"] <= expect_ttft + 0.06
     # /tokenize calibrated the 3000-token filler to within 1 %.
@@ -62,7 +62,7 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
     assert max_active == 3  # the 3 streams really overlapped
     chats = [b for p, b in reqs if p == "/v1/chat/completions"]
     assert len(chats) == (1 + 3) * ((1 + 3) * 2 + 1)  # (warm-up + 3 runs) x streams of every config
-    assert all(b["ignore_eos"] and b["max_tokens"] == 21 and b["seed"] == 0 and b["stream"] for b in chats)
+    assert all(b["ignore_eos"] and b["max_tokens"] == 11 and b["seed"] == 0 and b["stream"] for b in chats)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
