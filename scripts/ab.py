@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""Per-patch A/B in one build: restart the compose service with one gate off, benchmark, repeat.
+
+Every patch of the series has its own VLLM_* gate (default on; =0 restores the
+upstream code path in the same image), so a patch's contribution is measured
+the reference's way (SPEC §3.0: A/B by env var in one build; a fresh start
+alone moves the numbers, so each variant is its own restart). For the
+baseline (every gate at its default) and then for each gate G:
+
+  1. write an override compose file that sets only G="0" for the service
+  2. <compose> -f compose.yaml -f <override> up -d --force-recreate vllm
+  3. wait for /health, then check the server's gates line
+     ("vllm-3x3090 patches (N): ...[G]=off") in `<compose> logs`
+  4. python3 scripts/bench_serving.py --json <work>/<variant>.json ... (the
+     arguments after `--`; each variant gets its own --cold-salt, so cold
+     prompts are unread on every side)
+  5. record the variant as done in <work>/state.json
+
+At the end the service is restarted without an override (--no-restore keeps
+the last variant) and a table (markdown) + a bar chart (PNG, pure Python) of
+every patch's contribution is written: contribution = baseline tok/s per
+stream / gate-off tok/s per stream - 1, per benchmark configuration.
+
+Resumable: a variant recorded in state.json (same env, result file present)
+is not run again; rerun the same command after an interruption. --fresh
+forgets the state. --report rebuilds the table/plot from the state only.
+
+Where the gates come from (first that applies): --manifest FILE (the JSON
+that `scripts/vllm_patches.py apply` writes into vllm/_vllm_3x3090/), --patches
+DIR (a patches/ series), else the running container (`<compose> exec -T vllm
+python3 -c ...` reads the installed manifest). Skipped unless asked for with
+--only: VLLM_PATCH_GATES_LOG (the gates log line itself, which step 3 reads)
+and opt-in gates ("Gate: VLLM_X (opt-in: ...)": their off state is "unset",
+which an override cannot express; give --off-value VLLM_X=VALUE to include one).
+
+Every command is printed before it runs; --dry-run prints the plan (the exact
+commands, the override files' contents) and runs nothing. The API key is
+passed to bench_serving.py through $VLLM_API_KEY, never on a command line.
+
+  python3 scripts/ab.py --dry-run -- --concurrency 1,4 --prompt-tokens 0,8192
+  python3 scripts/ab.py -- --concurrency 1,4 --prompt-tokens 0,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import oai_client as oc
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parent
+GATES_LOG_MARK = "vllm-3x3090 patches"
+NOT_AB = {"VLLM_PATCH_GATES_LOG": "the gates log line itself (ab.py reads it to check each flip)"}
+
+# Run inside the service's container: the installed manifest plus each patch's
+# full "Gate:" field (from the patch copies next to it), as one JSON line.
+CONTAINER_SNIPPET = r"""
+import json, os, re, vllm
+d = os.path.join(os.path.dirname(vllm.__file__), "_vllm_3x3090")
+m = json.load(open(os.path.join(d, "manifest.json")))
+for e in m.get("series", []):
+    try:
+        head = open(os.path.join(d, e["name"]), encoding="utf-8").read().split("\ndiff --git ", 1)[0]
+        g = re.search(r"^Gate:(.*)$", head, re.M)
+        e["gate_field"] = g.group(1).strip() if g else ""
+    except OSError:
+        pass
+print(json.dumps(m))
+""".strip()
+
+
+class ABError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------
+# Manifest -> gates
+# --------------------------------------------------------------------------
+
+
+def gate_field_from_patch(path: Path) -> str:
+    try:
+        head = path.read_text(encoding="utf-8").split("\ndiff --git ", 1)[0]
+    except OSError:
+        return ""
+    m = re.search(r"^Gate:(.*)$", head, re.M)
+    return m.group(1).strip() if m else ""
+
+
+def manifest_from_patches(patch_dir: Path) -> dict:
+    sys.path.insert(0, str(SCRIPTS))
+    import vllm_patches
+
+    try:
+        patches = vllm_patches.load_series(patch_dir)
+    except vllm_patches.PatchError as e:
+        raise ABError(str(e)) from e
+    return {"series": [{"name": p.name, "sha256": p.sha256, "gate": p.gate,
+                        "gate_field": p.fields.get("Gate", ""),
+                        "description": p.fields.get("Description", "").split("\n")[0],
+                        "files": [fp.path for fp in p.files]} for p in patches]}
+
+
+def gates_of(manifest: dict, patch_dir: Path | None = None) -> list[dict]:
+    """[{gate, patches:[names], opt_in, description}] in series order, one per gate."""
+    out: dict[str, dict] = {}
+    for e in manifest.get("series", []):
+        gate = e.get("gate") or ""
+        if not gate:
+            continue
+        field = e.get("gate_field")
+        if field is None and patch_dir is not None:
+            field = gate_field_from_patch(patch_dir / e["name"])
+        g = out.setdefault(gate, {"gate": gate, "patches": [], "opt_in": False,
+                                  "description": e.get("description", "")})
+        g["patches"].append(e["name"])
+        g["opt_in"] = g["opt_in"] or "opt-in" in (field or "")
+    return list(out.values())
+
+
+def plan_variants(gates: list[dict], only: list[str], skip: list[str], off_values: dict[str, str]):
+    """([(variant name, env overrides)], [(gate, reason skipped)])."""
+    variants = [("baseline", {})]
+    skipped = []
+    known = {g["gate"] for g in gates}
+    for name in only + skip + list(off_values):
+        if name not in known:
+            raise ABError(f"{name} is not a gate of this series (gates: {', '.join(sorted(known)) or 'none'})")
+    for g in gates:
+        name = g["gate"]
+        if only and name not in only:
+            skipped.append((name, "not in --only"))
+            continue
+        if name in skip:
+            skipped.append((name, "--skip"))
+            continue
+        if name in off_values:
+            variants.append((f"{name}={off_values[name]}", {name: off_values[name]}))
+            continue
+        if name in NOT_AB and name not in only:
+            skipped.append((name, NOT_AB[name]))
+            continue
+        if g["opt_in"]:
+            skipped.append((name, "opt-in gate: off means unset; give --off-value "
+                                  f"{name}=VALUE to A/B it"))
+            continue
+        variants.append((f"{name}=0", {name: "0"}))
+    return variants, skipped
+
+
+def override_yaml(service: str, variant: str, env: dict[str, str]) -> str:
+    lines = [f"# generated by scripts/ab.py for variant {variant}", "services:", f"  {service}:",
+             "    environment:"]
+    lines += [f"      {k}: {json.dumps(v)}" for k, v in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def variant_slug(variant: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", variant)
+
+
+def parse_gates_line(line: str) -> dict[str, bool]:
+    """'vllm-3x3090 patches (2): 0010-x[VLLM_A]=on 0020-y[VLLM_B]=off' -> {VLLM_A: True, VLLM_B: False}."""
+    return {g: s == "on" for g, s in re.findall(r"\[(VLLM_[A-Z0-9_]+)\]=(on|off)", line)}
+
+
+# --------------------------------------------------------------------------
+# Runner
+# --------------------------------------------------------------------------
+
+
+class AB:
+    def __init__(self, args, bench_args: list[str]):
+        self.args = args
+        self.compose = shlex.split(args.compose_cmd)
+        self.files = args.compose_file or ["compose.yaml"]
+        self.project = Path(args.project_directory).resolve()
+        self.work = Path(args.work_dir).resolve()
+        self.service = args.service
+        self.bench_args = bench_args
+        self.state_path = self.work / "state.json"
+        self.client = oc.Client(args.base_url, oc.api_key_from(args), timeout=30)
+
+    # -- commands ----------------------------------------------------------
+
+    def compose_cmd(self, override: Path | None, *tail: str) -> list[str]:
+        cmd = list(self.compose)
+        for f in self.files:
+            cmd += ["-f", f]
+        if override is not None:
+            cmd += ["-f", str(override)]
+        return cmd + list(tail)
+
+    def up_cmd(self, override: Path | None) -> list[str]:
+        return self.compose_cmd(override, "up", "-d", "--force-recreate", self.service)
+
+    def logs_cmd(self, override: Path | None) -> list[str]:
+        return self.compose_cmd(override, "logs", "--no-color", self.service)
+
+    def bench_cmd(self, variant: str) -> list[str]:
+        slug = variant_slug(variant)
+        return [sys.executable, str(SCRIPTS / "bench_serving.py"),
+                "--base-url", self.args.base_url, "--model", self.args.model,
+                "--label", variant, "--cold-salt", slug,
+                "--json", str(self.work / f"{slug}.json")] + self.bench_args
+
+    def override_path(self, variant: str, env: dict) -> Path | None:
+        return self.work / f"override-{variant_slug(variant)}.yaml" if env else None
+
+    # -- state -------------------------------------------------------------
+
+    def load_state(self) -> dict:
+        if self.args.fresh or not self.state_path.exists():
+            return {"version": 1, "variants": {}}
+        try:
+            return json.loads(self.state_path.read_text())
+        except ValueError as e:
+            raise ABError(f"{self.state_path}: {e}; fix it or pass --fresh") from e
+
+    def is_done(self, state: dict, variant: str, env: dict) -> bool:
+        v = state["variants"].get(variant)
+        return bool(v and v.get("env") == env and v.get("bench_args") == self.bench_args
+                    and Path(v.get("json", "")).exists())
+
+    # -- manifest ----------------------------------------------------------
+
+    def manifest(self) -> tuple[dict, Path | None, str]:
+        a = self.args
+        if a.manifest:
+            try:
+                m = json.loads(Path(a.manifest).read_text())
+            except (OSError, ValueError) as e:
+                raise ABError(f"--manifest {a.manifest}: {e}") from e
+            return m, Path(a.patches) if a.patches else REPO / "patches", f"file {a.manifest}"
+        if a.patches:
+            return manifest_from_patches(Path(a.patches)), None, f"series in {a.patches}"
+        cmd = self.compose_cmd(None, "exec", "-T", self.service, "python3", "-c", CONTAINER_SNIPPET)
+        print(f"# reading the installed manifest from the running {self.service} container:")
+        print(shlex.join(cmd[:-1]) + " '<snippet>'")
+        r = subprocess.run(cmd, cwd=self.project, capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise ABError(f"could not read the manifest from the container ({r.stderr.strip()[:300]}); "
+                          f"start it (`{shlex.join(self.up_cmd(None))}`) or pass --manifest FILE / --patches DIR")
+        try:
+            return json.loads(r.stdout.strip().splitlines()[-1]), None, f"container {self.service}"
+        except (ValueError, IndexError) as e:
+            raise ABError(f"the container printed no manifest JSON: {r.stdout[:300]}") from e
+
+    # -- plan / run ----------------------------------------------------------
+
+    def plan(self):
+        m, patch_dir, source = self.manifest()
+        gates = gates_of(m, patch_dir)
+        off = {}
+        for kv in self.args.off_value or []:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise ABError(f"--off-value {kv!r}: give GATE=VALUE")
+            off[k] = v
+        only = [g for x in self.args.only or [] for g in x.split(",") if g]
+        skip = [g for x in self.args.skip or [] for g in x.split(",") if g]
+        variants, skipped = plan_variants(gates, only, skip, off)
+        return variants, skipped, source, gates
+
+    def print_plan(self, variants, skipped, source, state) -> None:
+        print(f"# ab.py plan: {len(variants)} variants (baseline + {len(variants) - 1} gates off), "
+              f"gates from {source}")
+        print(f"# work dir {self.work} (state {self.state_path}), project dir {self.project}")
+        for g, why in skipped:
+            print(f"# skipped {g}: {why}")
+        for i, (variant, env) in enumerate(variants, 1):
+            done = self.is_done(state, variant, env)
+            print(f"\n## [{i}/{len(variants)}] {variant}" + ("  [done: skipped on resume]" if done else ""))
+            ov = self.override_path(variant, env)
+            if ov is not None:
+                print(f"cat > {shlex.quote(str(ov))} <<'EOF'\n{override_yaml(self.service, variant, env)}EOF")
+            print(shlex.join(self.up_cmd(ov)))
+            print(f"# wait for {self.client.url('/health', root=True)} (up to {self.args.health_timeout:.0f} s)")
+            print(f"{shlex.join(self.logs_cmd(ov))} | grep {shlex.quote(GATES_LOG_MARK)} | tail -n 1")
+            print(shlex.join(self.bench_cmd(variant)))
+        if not self.args.no_restore:
+            print("\n## restore (every gate at its default)")
+            print(shlex.join(self.up_cmd(None)))
+
+    def sh(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        print("+ " + shlex.join(cmd), flush=True)
+        return subprocess.run(cmd, cwd=self.project, **kw)
+
+    def gates_line(self, override: Path | None) -> str | None:
+        r = self.sh(self.logs_cmd(override), capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in (r.stdout + r.stderr).splitlines() if GATES_LOG_MARK in ln]
+        return lines[-1] if lines else None
+
+    def run_variant(self, variant: str, env: dict) -> dict:
+        ov = self.override_path(variant, env)
+        if ov is not None:
+            ov.write_text(override_yaml(self.service, variant, env))
+            print(f"wrote {ov}:\n{ov.read_text()}", end="")
+        if self.sh(self.up_cmd(ov)).returncode != 0:
+            raise ABError(f"{variant}: compose up failed (see above)")
+        print(f"waiting for {self.client.url('/health', root=True)} (up to {self.args.health_timeout:.0f} s)")
+        # Give the old container's port a moment to close before the first probe.
+        time.sleep(self.args.settle_s)
+        if not self.client.wait_healthy(self.args.health_timeout, interval=5.0):
+            raise ABError(f"{variant}: not healthy after {self.args.health_timeout:.0f} s; "
+                          f"see `{shlex.join(self.logs_cmd(ov))}`")
+        line = self.gates_line(ov)
+        if line is None:
+            print(f"warning: no '{GATES_LOG_MARK}' line in the {self.service} logs; cannot check the gates")
+        else:
+            print(line)
+            states = parse_gates_line(line)
+            for g in env:
+                if states.get(g, True) and env[g] in ("0", ""):
+                    raise ABError(f"{variant}: the server reports {g} on after setting it to {env[g]!r}: "
+                                  f"check {ov}")
+        child_env = dict(os.environ)
+        if self.args.api_key:
+            child_env[oc.API_KEY_ENV] = self.args.api_key
+        cmd = self.bench_cmd(variant)
+        if self.sh(cmd, env=child_env).returncode != 0:
+            raise ABError(f"{variant}: bench_serving.py failed (see above); rerun to resume")
+        return {"env": env, "bench_args": self.bench_args, "json": cmd[cmd.index("--json") + 1],
+                "gates_line": line,
+                "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+    def run(self) -> int:
+        variants, skipped, source, _ = self.plan()
+        state = self.load_state()
+        if self.args.dry_run:
+            self.print_plan(variants, skipped, source, state)
+            return 0
+        if not self.args.report:
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.print_plan(variants, skipped, source, state)
+            print()
+            try:
+                for variant, env in variants:
+                    if self.is_done(state, variant, env):
+                        print(f"== {variant}: done earlier ({state['variants'][variant]['json']})")
+                        continue
+                    print(f"== {variant}")
+                    state["variants"][variant] = self.run_variant(variant, env)
+                    oc.write_json(str(self.state_path), state)
+            finally:
+                if not self.args.no_restore:
+                    print("== restore")
+                    self.sh(self.up_cmd(None))
+        return self.report(variants, state)
+
+    def report(self, variants, state) -> int:
+        res = {}
+        for variant, _env in variants:
+            v = state["variants"].get(variant)
+            if v and Path(v["json"]).exists():
+                res[variant] = json.loads(Path(v["json"]).read_text())
+        if "baseline" not in res:
+            print("no baseline result yet: nothing to report")
+            return 1
+        text, contrib = report_table(res)
+        print(text)
+        (self.work / "ab-report.md").write_text(text + "\n")
+        oc.write_json(str(self.work / "ab-report.json"), {"tool": "scripts/ab.py", "contributions": contrib,
+                                                         "variants": {k: v["results"] for k, v in res.items()}})
+        import tinypng
+
+        gates = [v for v in res if v != "baseline"]
+        if gates:
+            cfgs = sorted({c for v in contrib.values() for c in v})
+            tinypng.bar_chart([g.split("=")[0].removeprefix("VLLM_") for g in gates],
+                              {c: [contrib[g].get(c) for g in gates] for c in cfgs},
+                              str(self.work / "ab-contrib.png"), title="patch contribution",
+                              ylabel="tok/s per stream: baseline / gate off - 1 (%)")
+        print(f"wrote {self.work / 'ab-report.md'}, ab-report.json, ab-contrib.png")
+        return 0
+
+
+def cfg_key(r: dict) -> str:
+    return f"{r['prompt_tokens']}/{r['prefix']}/x{r['concurrency']}"
+
+
+def report_table(res: dict[str, dict]) -> tuple[str, dict]:
+    base = {cfg_key(r): r["summary"] for r in res["baseline"]["results"]}
+    rows = ["| variant | prompt/prefix/streams | tok/s per stream | patch contribution | ITL median ms "
+            "| TTFT median s | total tok/s |", "|---|---|---|---|---|---|---|"]
+    contrib: dict[str, dict] = {}
+    for variant, d in res.items():
+        for r in d["results"]:
+            k, s = cfg_key(r), r["summary"]
+            c = None
+            b = base.get(k)
+            if variant != "baseline" and b and b["tok_s_per_stream_mean"] and s["tok_s_per_stream_mean"]:
+                c = (b["tok_s_per_stream_mean"] / s["tok_s_per_stream_mean"] - 1) * 100
+                contrib.setdefault(variant, {})[k] = c
+            rows.append(f"| {variant} | {k} | {oc.fmt(s['tok_s_per_stream_mean'])} | "
+                        f"{'' if variant == 'baseline' else oc.fmt(c, '+.1f') + ' %'} | "
+                        f"{oc.fmt(s['itl_ms']['median'], '.2f')} | {oc.fmt(s['ttft_s']['median'], '.3f')} | "
+                        f"{oc.fmt(s['total_tok_s_mean'])} |")
+    return "\n".join(rows), contrib
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    bench_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, bench_args = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 usage="%(prog)s [options] [-- bench_serving.py options]")
+    oc.add_common_args(ap)
+    ap.add_argument("--manifest", help="manifest.json (as `vllm_patches.py apply` writes it)")
+    ap.add_argument("--patches", help="patches/ dir: the series (alone), or where --manifest's patch "
+                                      "headers are looked up (default: this repo's patches/)")
+    ap.add_argument("--compose-cmd", default="docker compose", help="e.g. 'podman-compose' (default: %(default)s)")
+    ap.add_argument("-f", "--compose-file", action="append", help="base compose file(s) (default: compose.yaml)")
+    ap.add_argument("--project-directory", default=str(REPO), help="where compose runs (default: the repo root)")
+    ap.add_argument("--service", default="vllm")
+    ap.add_argument("--work-dir", default="ab-work", help="overrides, results, state.json (default: %(default)s)")
+    ap.add_argument("--only", action="append", help="only these gates (comma list; repeatable)")
+    ap.add_argument("--skip", action="append", help="skip these gates")
+    ap.add_argument("--off-value", action="append", metavar="GATE=VALUE",
+                    help="A/B GATE with this value instead of 0 (needed for opt-in gates)")
+    ap.add_argument("--health-timeout", type=float, default=1800.0,
+                    help="seconds to wait for /health after a restart (default %(default)s: the model load)")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="seconds to wait after `up` before probing /health (default %(default)s)")
+    ap.add_argument("--no-restore", action="store_true", help="leave the last variant running")
+    ap.add_argument("--fresh", action="store_true", help="ignore state.json (run every variant again)")
+    ap.add_argument("--report", action="store_true", help="only rebuild the table and plot from state.json")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the exact commands; run nothing")
+    args = ap.parse_args(argv)
+    try:
+        return AB(args, bench_args).run()
+    except ABError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
