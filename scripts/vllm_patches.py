@@ -618,12 +618,11 @@ def make_tree(dest: Path, patch_dir: Path = PATCH_DIR, log=print) -> None:
     src = pristine_cache(log=log)
     log(f"copying pristine vllm {PIN_VERSION} into {dest} ...")
     shutil.copytree(src, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".ok"))
-    git(dest, "init", "-q", "-b", "pristine")
+    git(dest, "init", "-q", "-b", "series")
     (dest / ".gitignore").write_text("__pycache__/\n*.pyc\n")
     git(dest, "add", "-A")
     git(dest, "commit", "-q", "-m", PRISTINE_SUBJECT)
     git(dest, "tag", "pristine")
-    git(dest, "checkout", "-q", "-b", "series")
     patches = load_series(patch_dir)
     target = Target(dest)
     for p in patches:
