@@ -268,3 +268,38 @@ def test_runner_call_sites_use_hand_off():
     src = inspect.getsource(cudagraph_utils)
     assert 'later_pp_rank_input_ids(\n                    model, model_inputs["input_ids"]' in src
     assert 'model_inputs["input_ids"] = None' not in src
+
+
+# ---- CUDA only (skips on CPU CI): staging before a FULL graph replay ----------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_rows_reach_graph_replay(table, monkeypatch):
+    path, shards = table
+    gen = torch.Generator().manual_seed(9)
+    ids, _, ctx = (t.cuda() for t in random_batch(gen, num_tokens=4))
+    steps = [torch.randint(0, 1000, (4,), generator=gen, dtype=torch.int32).cuda()
+             for _ in range(3)]
+    qsl = torch.tensor([0, 1, 2, 3, 4, 4, 4], dtype=torch.int32).cuda()
+    torch.set_default_device("cuda")  # the model is built under target_device
+    try:
+        upstream = build(0)
+        upstream.load_weights([(n, t.cuda()) for n, t in layer_weights(shards, 0)])
+        monkeypatch.setenv("VLLM_PLE_MMAP_PATH", path)
+        mapped = build(0)
+        assert mapped.ngram_embedding.host_rows.is_pinned()
+        assert mapped.ngram_embedding.device_rows.is_cuda
+        hidden = torch.zeros(4, 8)
+        out = torch.empty(4, TEXT_CONFIG["ple_embed_dim"])
+        mapped.stage_host_rows(ids, qsl, ctx)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(mapped(hidden, ids, qsl, ctx).float() * 2)
+        for step_ids in steps:  # new tokens each step: stage eagerly, replay
+            ids.copy_(step_ids)
+            mapped.stage_host_rows(ids, qsl, ctx)
+            graph.replay()
+            want = upstream(hidden, ids, qsl, ctx).float() * 2
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+    finally:
+        torch.set_default_device("cpu")
