@@ -50,7 +50,7 @@ def load_table_format():
     return module
 
 
-ptf = load_table_format()
+ptf = None  # vllm/ple_table_format.py, loaded in main() so --help always works
 
 # bytes per element of the dtypes a table shard may be stored in
 _DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4}
@@ -258,6 +258,9 @@ def main(argv=None) -> int:
         "--chunk-kib", type=int, default=65536, help="read size in KiB (default 64 MiB)"
     )
     args = parser.parse_args(argv)
+    global ptf
+    if ptf is None:
+        ptf = load_table_format()
     try:
         return verify(args) if args.verify else build(args)
     except (TableError, OSError, ValueError) as exc:
