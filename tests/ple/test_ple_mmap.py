@@ -258,6 +258,13 @@ def test_later_pp_rank_input_ids(monkeypatch):
     monkeypatch.setenv("VLLM_PLE_MMAP_PATH", "/x")
     assert later_pp_rank_input_ids(ple_model, ids) is ids
     assert later_pp_rank_input_ids(other, ids) is None
+    from vllm.models.qwen4_exp.nvidia.model import (
+        Qwen4ExpForCausalLM,
+        Qwen4ExpForConditionalGeneration,
+    )
+
+    for cls in (Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration):
+        assert later_pp_rank_input_ids(cls, ids) is ids  # the real models keep them
 
 
 def test_runner_call_sites_use_hand_off():
