@@ -16,7 +16,8 @@ harness's numbers, not the server's; on the 3x3090 server the same change
 lifted the 12.5 ms decode floor (article section 3.2).
 
 Example:
-  python scripts/bench/bench_deferred_recv.py --json scripts/bench/results/deferred_recv.json
+  python scripts/bench/bench_deferred_recv.py \
+      --json scripts/bench/results/deferred_recv.json
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ from pathlib import Path
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pp_pipeline_harness import HarnessConfig, events_by_step, run_pipeline  # noqa: E402
+from pp_pipeline_harness import (  # noqa: E402
+    HarnessConfig,
+    events_by_step,
+    run_pipeline,
+)
 
 
 def step_periods_ms(results: list[dict], warmup: int) -> list[float]:
@@ -70,10 +75,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--steps", type=int, default=200, help="decode steps per run")
     p.add_argument("--warmup", type=int, default=10, help="steps left out per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per setting (alternating)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs per setting (alternating)"
+    )
     p.add_argument("--prep-ms", type=float, default=3.0, help="host prep per rank")
     p.add_argument("--gpu-ms", type=float, default=3.5, help="forward per rank")
-    p.add_argument("--timeout", type=float, default=120.0, help="s per run before the ranks are killed")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds per run before its ranks are killed",
+    )
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the result as JSON to PATH (no PATH: stdout)")
     args = p.parse_args(argv)
@@ -126,8 +138,8 @@ def main(argv=None) -> int:
     }
     print(
         f"step time, median: upstream {up['median_ms']:.2f} ms, deferred "
-        f"{de['median_ms']:.2f} ms, ratio {out['ratio_median']:.3f} "
-        f"(model {out['model_ms']['upstream']:.1f} -> {out['model_ms']['deferred']:.1f} ms)",
+        f"{de['median_ms']:.2f} ms, ratio {out['ratio_median']:.3f} (model "
+        f"{out['model_ms']['upstream']:.1f} -> {out['model_ms']['deferred']:.1f} ms)",
         file=sys.stderr,
     )
     if args.json == "-":
