@@ -9,7 +9,9 @@ FROM ${VLLM_IMAGE}
 
 # The apply step uses only stdlib Python (no git, no patch, no downloads).
 COPY patches/ /opt/vllm-3x3090/patches/
-COPY scripts/vllm_patches.py /opt/vllm-3x3090/scripts/vllm_patches.py
+# The user tools too (make_ple_table.py, kv_capacity.py, ...): they need the
+# patched vllm modules, so the image is the easiest place to run them.
+COPY scripts/ /opt/vllm-3x3090/scripts/
 COPY docker/entrypoint.sh /opt/vllm-3x3090/entrypoint.sh
 
 # apply refuses a vllm other than 0.30.0, any file that differs from the
