@@ -22,8 +22,13 @@ def _route_cfgs():
            "num_blocks": "i32"}
     aligned = ("x_ptr", "gw_ptr", "sgw_ptr", "logits_ptr", "counter_ptr", "topk_w_ptr", "topk_ids_ptr",
                "sorted_ptr", "expert_ids_ptr", "ntpp_ptr", "E", "K", "stride_xm", "stride_g")
-    return [dict(fn=mf._moe_route_kernel, signature=sig, constexprs=mf.route_constexprs(m, E, TOPK),
-                 aligned=aligned, num_warps=mf.ROUTE_NUM_WARPS, num_stages=3) for m in TOKENS]
+    out = []
+    for m in TOKENS:
+        bn, bk, nw = mf.ROUTE_CFG[1 << (m - 1).bit_length()]
+        out.append(dict(fn=mf._moe_route_kernel, signature=sig,
+                        constexprs=mf.route_constexprs(m, E, TOPK, block_n=bn, block_k=bk),
+                        aligned=aligned, num_warps=nw, num_stages=3))
+    return out
 
 
 def _shared_cfgs():
@@ -37,7 +42,7 @@ def _shared_cfgs():
                            "M": "i32", "K": "i32", "I": "i32", "stride_xm": "i32", "stride_w": "i32",
                            "stride_s": "i32", "stride_om": "i32"},
                 constexprs=dict(GROUP=grp, BLOCK_M=bm, BLOCK_N=mf.GATE_UP_BLOCK_N,
-                                BLOCK_K=mf.GATE_UP_BLOCK_K),
+                                BLOCK_K=min(mf.GATE_UP_BLOCK_K, grp or H)),
                 aligned=("x_ptr", "w_ptr", "s_ptr", "out_ptr", "K", "I", "stride_xm", "stride_w",
                          "stride_om"),
                 num_warps=mf.SHARED_NUM_WARPS, num_stages=3))
@@ -48,7 +53,7 @@ def _shared_cfgs():
                            "stride_am": "i32", "stride_w": "i32", "stride_s": "i32", "stride_rm": "i32",
                            "stride_rk": "i32", "stride_sg": "i32", "stride_om": "i32"},
                 constexprs=dict(TOPK=TOPK, GROUP=grp, BLOCK_M=bm, BLOCK_N=mf.DOWN_BLOCK_N,
-                                BLOCK_K=mf.DOWN_BLOCK_K),
+                                BLOCK_K=min(mf.DOWN_BLOCK_K, grp or I)),
                 aligned=("a_ptr", "w_ptr", "s_ptr", "routed_ptr", "sg_ptr", "out_ptr", "H", "I",
                          "stride_am", "stride_w", "stride_rm", "stride_rk", "stride_om"),
                 num_warps=mf.SHARED_NUM_WARPS, num_stages=3))
