@@ -188,3 +188,19 @@ def test_shared_down_uses_routed_and_gate():
     act = torch.randn(M, I).bfloat16()
     out = mf.shared_down_final(act, p_dn, s_dn, routed, sg, block_k=64)
     assert torch.equal(out.float(), routed.float().sum(1).bfloat16().float())
+
+
+@pytest.mark.parametrize("group", [0, 64])
+def test_int6_planes_gemm_prefill_vs_fp32(group):
+    # M > 8 (prefill) path of the shared expert linears on the bit planes
+    M, N, Kd = 37, 96, 256
+    g = torch.Generator().manual_seed(group + 1)
+    x = torch.randn(M, Kd, generator=g).bfloat16()
+    u = torch.randint(0, 64, (N, Kd), generator=g, dtype=torch.int32)
+    ng = 1 if group == 0 else Kd // group
+    s = (torch.rand(N, ng, generator=g) * 0.004 + 0.001).bfloat16()
+    planes = mf.int6_to_planes(mf.int6_pack_dense(u), Kd)
+    out = mf.int6_planes_linear(x, planes, s, Kd)
+    ref = x.float() @ ((u.float() - 32) * s.float().repeat_interleave(Kd // ng, 1)).T
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.bfloat16().float(), rtol=1.6e-2, atol=1e-3)

@@ -57,6 +57,17 @@ def _shared_cfgs():
                 aligned=("a_ptr", "w_ptr", "s_ptr", "routed_ptr", "sg_ptr", "out_ptr", "H", "I",
                          "stride_am", "stride_w", "stride_rm", "stride_rk", "stride_om"),
                 num_warps=mf.SHARED_NUM_WARPS, num_stages=3))
+    for grp in (0, 128):
+        out.append(dict(
+            fn=mf._int6_planes_gemm_kernel,
+            signature={"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
+                       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_w": "i32",
+                       "stride_s": "i32", "stride_om": "i32"},
+            constexprs=dict(GROUP=grp, DOT_F32=False, BLOCK_M=mf.GEMM_BLOCK_M, BLOCK_N=mf.GEMM_BLOCK_N,
+                            BLOCK_K=min(mf.GEMM_BLOCK_K, grp or H)),
+            aligned=("x_ptr", "w_ptr", "s_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_w",
+                     "stride_om"),
+            num_warps=mf.GEMM_NUM_WARPS, num_stages=mf.GEMM_NUM_STAGES))
     return out
 
 
