@@ -111,7 +111,8 @@ def test_fused_block_forward_composes_like_upstream(monkeypatch):
         hs, tw = kw["hidden_states"], kw["topk_weights"]
         s_ids, e_ids, n = kw["sorted_token_ids"], kw["expert_ids"], int(kw["num_tokens_post_padded"][0])
         bs, kk = kw["block_size_m"], kw["num_topk"]
-        assert kw["workspace"] is ws and kw["quant_type"] is not None
+        assert kw["workspace"] is ws and kw["quant_type"] is not None and kw["activation"] == "silu"
+        assert kw["topk_ids"] is None and kw["expert_map"] is None  # as upstream fused_marlin_moe
         out = torch.zeros(hs.shape[0] * kk, hs.shape[1])
         for p in range(n):
             i = int(s_ids[p])
@@ -132,7 +133,7 @@ def test_fused_block_forward_composes_like_upstream(monkeypatch):
     fe = types.SimpleNamespace(w1_bias=None, w2_bias=None, w1_scale=None, w2_scale=None, quant_type_id=0,
                                activation=None, a1_gscale=None, a2_gscale=None, g1_alphas=None,
                                g2_alphas=None, w1_zp=None, w2_zp=None, input_dtype=None, activation_config=None)
-    re_ = types.SimpleNamespace(w13_weight=w13, w2_weight=w2, workspace=ws)
+    re_ = types.SimpleNamespace(w13_weight=w13, w2_weight=w2, workspace=ws, activation="silu")
     f = object.__new__(MoeFusedDecode)
     f.block, f.top_k, f.renormalize, f.hidden, f.num_experts = block, k, True, H, E
     f.disabled, f._marlin = None, (re_, fe)
