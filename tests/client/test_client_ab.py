@@ -97,7 +97,14 @@ def test_gates_from_repo_series_and_patch_headers(tmp_path, capsys):
     repo_patches = HERE.parents[1] / "patches"
     assert ab.main(["--patches", str(repo_patches), "--dry-run", "--work-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "# skipped VLLM_PATCH_GATES_LOG" in out and "## [1/1] baseline" in out
+    import vllm_patches as vp
+
+    series = vp.load_series(repo_patches)
+    flips = [p.gate for p in series if p.gate != "VLLM_PATCH_GATES_LOG" and not vp.is_opt_in(p)]
+    n = len(flips) + 1
+    assert "# skipped VLLM_PATCH_GATES_LOG" in out and f"## [1/{n}] baseline" in out
+    for i, g in enumerate(flips, start=2):
+        assert f"## [{i}/{n}] {g}=0" in out
     assert ab.main(["--patches", str(repo_patches), "--dry-run", "--work-dir", str(tmp_path),
                     "--only", "VLLM_PATCH_GATES_LOG"]) == 0
     assert "## [2/2] VLLM_PATCH_GATES_LOG=0" in capsys.readouterr().out
