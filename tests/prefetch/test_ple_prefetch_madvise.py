@@ -222,38 +222,3 @@ def test_seccomp_eperm_takes_fallback(table_file, tmp_path):
     log = out.stderr
     assert log.count(pp.FALLBACK_LOG_LINE) == 1, log
     assert "EPERM" in log
-
-
-def test_gather_willneed_one_iovec_per_row(table_file):
-    m = pp.ReadOnlyMapping(table_file)
-    seen = []
-
-    def record(pidfd, ptr, n, advice, flags):
-        arr = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * n)).from_address(ptr)).reshape(n, 2)
-        seen.append((ptr, arr.copy(), advice))
-        return int(arr[:, 1].sum()), 0
-
-    adv = pp.WillNeedAdvisor(syscall=record)
-    g = pp.GatherWillNeed(m.address, 320, max_rows=64, file_offset=4096, num_rows=13000, advisor=adv)
-    rows = np.array([[0, 12, 11, 99], [12799, 5, 5, 100]])
-    done = g.advise_rows(rows)
-    ptr, iov, advice = seen[-1]
-    assert advice == pp.MADV_WILLNEED and len(seen) == 1
-    assert ptr == g.iov.ctypes.data  # the preallocated array, not a copy
-    want = []
-    for r in rows.reshape(-1):
-        a = 4096 + r * 320
-        first, last = a // 4096 * 4096, (a + 319) // 4096 * 4096
-        want.append([m.address + first, last - first + 4096])
-    assert iov.tolist() == want and done == sum(w[1] for w in want)
-    g.advise_rows(rows[:1])
-    assert seen[-1][0] == ptr and len(seen[-1][1]) == 4  # reused, 4 rows this step
-    assert g.advise_rows(np.zeros(0, np.int64)) == 0 and len(seen) == 2
-    # Real syscall, cached and uncached pages.
-    real = pp.GatherWillNeed(m.address, 320, max_rows=64, num_rows=13000)
-    try:
-        if not real.advisor.use_fallback:
-            assert real.advise_rows(rows) > 0
-    finally:
-        real.close()
-        m.close()
