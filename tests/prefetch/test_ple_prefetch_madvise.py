@@ -197,8 +197,10 @@ SECCOMP_CHILD = textwrap.dedent(
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     p = Prog(len(prog), ctypes.addressof(filt))
     libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
-    assert libc.prctl(22, 2, ctypes.byref(p), 0, 0) == 0, ctypes.get_errno()  # SECCOMP_MODE_FILTER
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP SECCOMP_MODE_FILTER
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(p), 0, 0) != 0:
+        print("NOSECCOMP", ctypes.get_errno())
+        sys.exit(0)
     m = pp.ReadOnlyMapping(sys.argv[2])
     adv = pp.WillNeedAdvisor()
     iov = pp.ranges_to_iovecs(m.address, np.array([0, 8]), np.array([2, 3]))
@@ -218,6 +220,8 @@ def test_seccomp_eperm_takes_fallback(table_file, tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
+    if "NOSECCOMP" in out.stdout:
+        pytest.skip(f"cannot install a seccomp filter here: {out.stdout}")
     assert f"RESULT [{5 * PAGE}, {5 * PAGE}] 1 4 True" in out.stdout, out.stdout
     log = out.stderr
     assert log.count(pp.FALLBACK_LOG_LINE) == 1, log
