@@ -226,3 +226,19 @@ def test_seccomp_eperm_takes_fallback(table_file, tmp_path):
     log = out.stderr
     assert log.count(pp.FALLBACK_LOG_LINE) == 1, log
     assert "EPERM" in log
+
+
+def test_pidfd_reopened_after_fork(table_file):
+    """A forked child (pid changed) advises its own mm, never its parent's."""
+    m = pp.ReadOnlyMapping(table_file)
+    adv = pp.WillNeedAdvisor()
+    try:
+        if adv.use_fallback:
+            pytest.skip(adv.fallback_reason)
+        adv._pid = -1  # as seen from a child after fork()
+        iov = pp.ranges_to_iovecs(m.address, np.array([2]), np.array([1]))
+        assert adv.willneed(iov) == PAGE
+        assert adv._pid == os.getpid() and adv.pidfd >= 0 and adv.calls == 1
+    finally:
+        adv.close()
+        m.close()
