@@ -272,6 +272,7 @@ def main(argv=None) -> int:
     make_table(a.table, size)
     res = {
         "command": " ".join(["python", "scripts/bench/bench_ple_prefetch.py", *argv]),
+        "module": pp.__file__,
         "host": {"kernel": platform.release(), "cpus": os.cpu_count()},
         "table_bytes": size,
         "table_rows": size // ROW_BYTES,
