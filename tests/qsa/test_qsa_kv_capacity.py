@@ -168,3 +168,25 @@ def test_R_agrees_with_upstream_packer(prefix, mtp):
                         if ranks[int(n.split(".")[1])] == r) for g in groups)
                 for r in range(3)]
     assert per_rank == lay["bytes_per_block_per_rank"]
+
+
+# ---- the copy inside vllm (0200-qsa-kv-offload) agrees with the tool ----
+
+def _derivation(text):
+    a = text.index("# ---- DERIVATION")
+    b = text.index("# ---- END DERIVATION ----")
+    return text[a:b]
+
+
+def test_vllm_copy_agrees_with_tool():
+    qc = pytest.importorskip("vllm.models.qwen4_exp.common.qsa_capacity")
+    assert _derivation(Path(qc.__file__).read_text()) == _derivation(Path(kc.__file__).read_text())
+    for mtp in (False, True):
+        for prefix in (False, True):
+            for split in (None, "16,17,15", "20,14,14"):
+                for dt in ("bf16", "fp8"):
+                    kw = dict(pp_size=3, partition=split, max_model_len=262144,
+                              prefix_caching=prefix, num_spec=int(mtp), indexer_dtype=dt)
+                    assert qc.capacity_layout(CFG, **kw) == kc.capacity_layout(CFG, **kw)
+    assert qc.model_block_size(CFG, 3) == 12_144
+    assert qc.model_block_size(CFG, 3, MTP_SPLIT, 1, 1) == 9_776
