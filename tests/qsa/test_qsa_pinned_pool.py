@@ -196,3 +196,31 @@ def test_real_cuda_host_register_and_uva(tmp_path, unlimited_memlock):
         assert int(pool.tensor[-1]) == 9
     finally:
         pool.release()
+
+
+def test_gate_selects_pool(monkeypatch):
+    seen = []
+
+    class _P:
+        tensor = torch.zeros(3, dtype=torch.uint8)
+
+    def fake_pool(nbytes, **kw):
+        seen.append((nbytes, kw["what"]))
+        return _P()
+
+    monkeypatch.setattr(php, "allocate_pinned_host_pool", fake_pool)
+    monkeypatch.setenv("VLLM_PINNED_POOL", "1")
+    assert php.allocate_pinned_host_buffer(3, what="qsa") is _P.tensor
+    assert seen == [(3, "qsa")]
+    monkeypatch.setenv("VLLM_PINNED_POOL", "0")
+    called = []
+    monkeypatch.setattr(php.torch, "empty", lambda *a, **kw: called.append(kw) or "upstream")
+    assert php.allocate_pinned_host_buffer(5, what="qsa") == "upstream"
+    assert called[0]["pin_memory"] is True and len(seen) == 1
+
+
+@requires_cuda
+def test_gate_off_uses_torch_pin_memory(monkeypatch):
+    monkeypatch.setenv("VLLM_PINNED_POOL", "0")
+    t = php.allocate_pinned_host_buffer(4096 + 3, what="gpu gate off")
+    assert t.is_pinned() and t.nbytes == 4096 + 3
