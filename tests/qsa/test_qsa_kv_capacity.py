@@ -1,0 +1,192 @@
+"""scripts/kv_capacity.py: every figure of SPEC "Capacity model" from a config
+shaped like the real one, and the group packing cross-checked against the real
+upstream packer (kv_cache_utils._get_packed_kv_cache_groups) on the same specs."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import kv_capacity as kc
+
+CFG = kc.load_config(kc.DEFAULT_CONFIG)
+MTP_SPLIT = "16,17,15"
+
+
+def layout(prefix=True, mtp=False, cfg=CFG, max_len=262144, **kw):
+    return kc.capacity_layout(cfg, pp_size=3, partition=MTP_SPLIT if mtp else None,
+                              max_model_len=max_len, prefix_caching=prefix,
+                              num_spec=int(mtp), **kw)
+
+
+def test_pages_from_state_shapes():
+    assert kc.gdn_page_bytes(CFG) == 3_207_168 == 3_145_728 + 61_440
+    assert kc.gdn_page_bytes(CFG, num_spec=1) == 3_227_648
+    # a bf16 ssm state halves the temporal part: the page really comes from the config
+    assert kc.gdn_page_bytes(CFG, ssm_dtype="bfloat16") == 1_572_864 + 61_440
+
+
+def test_block_size_and_R_match_spec():
+    off, on, mtp = layout(False), layout(True), layout(True, mtp=True)
+    assert (off["block_size"], on["block_size"], mtp["block_size"]) == (12_144, 12_144, 9_776)
+    assert (off["R"], on["R"], mtp["R"]) == (42, 61, 85)
+    assert on["page_bytes"] == 3_207_168 and mtp["page_bytes"] == 3_227_648
+    assert on["num_gdn_groups"] == 18  # 18 GDN + PLE group = the article's "19 groups"
+    assert mtp["qsa_layers_per_rank"] == [4, 4, 5]
+    # staging arena ~95 MiB per GPU (SPEC §5 / §7)
+    assert on["staging_arena_bytes"] == 4 * 12_144 * 2048
+    assert mtp["staging_arena_bytes"] == 5 * 9_776 * 2048
+    assert 94 < on["staging_arena_bytes"] / 2**20 < 96
+
+
+@pytest.mark.parametrize("mem,prefix,mtp,blocks,requests", [
+    (550_000_000, False, False, 171, 4.07),
+    (550_000_000, True, False, 171, 2.80),
+    (783_000_000, True, False, 244, 4.00),
+    (783_000_000, True, True, 242, 2.85),
+    (550_000_000, True, True, 170, 2.00),
+])
+def test_capacity_checks(mem, prefix, mtp, blocks, requests):
+    c = kc.capacity(layout(prefix, mtp), mem, 262144)
+    assert c["blocks"] == blocks
+    assert round(c["requests"], 2) == requests
+
+
+def test_pinned_ram_and_per_block_cost():
+    c = kc.capacity(layout(True), 783_000_000, 262144)
+    assert round(c["pinned_per_kv_byte"]) == 93
+    assert round(c["tokens_per_mib_vram"]) == 1405
+    assert abs(c["tokens_per_gib_ram"] - 15_460) < 2
+    m = kc.capacity(layout(True, mtp=True), 550_000_000, 262144)
+    assert round(m["pinned_host_gib"], 1) == 41.2
+    assert m["pinned_host_bytes"] == 170 * 9_776 * 2048 * 13
+
+
+def test_inverse():
+    lay = layout(True)
+    flag = kc.flag_for_requests(lay, 4)
+    assert flag == 244 * 3_207_168 <= 783_000_000
+    assert kc.capacity(lay, flag, 262144)["requests"] >= 4
+    assert kc.capacity(lay, flag - 1, 262144)["requests"] < 4
+    budget = 41.2 * 2**30
+    mlay = layout(True, mtp=True)
+    f = kc.flag_for_ram_budget(mlay, int(budget))
+    assert kc.capacity(mlay, f, 262144)["pinned_host_bytes"] <= budget
+    assert kc.capacity(mlay, f + mlay["page_bytes"], 262144)["pinned_host_bytes"] > budget
+
+
+def test_block_size_follows_config_and_layout():
+    # 64 B/token compressed key (128 bf16 / ratio 4) + 2 B margin
+    assert kc.qsa_vram_bytes_per_token(CFG) == 66
+    assert kc.qsa_vram_bytes_per_token(CFG, "fp8") == 34
+    # more QSA layers on one rank -> smaller block; never over the page
+    six = kc.aligned_block_size(3_207_168, [4, 6, 2], 66)
+    assert six == 16 * (3_207_168 // (16 * 6 * 66)) and six * 6 * 66 <= 3_207_168
+    for pages in (1_000_000, 3_207_168, 3_227_648):
+        for layers in ([1], [4, 4, 4], [4, 4, 5], [3, 9]):
+            b = kc.aligned_block_size(pages, layers, 66, divisor=8)
+            assert b % 16 == 0 and b % 8 == 0
+            assert b * max(layers) * 66 <= pages < (b + 16) * max(layers) * 66
+    cfg = copy.deepcopy(CFG)
+    cfg["layer_types"] = ["full_attention" if i % 2 else "linear_attention" for i in range(48)]
+    assert kc.capacity_layout(cfg, pp_size=3, max_model_len=262144,
+                              prefix_caching=True)["qsa_layers_per_rank"] == [8, 8, 8]
+
+
+def test_cli_json_and_help():
+    tool = Path(kc.__file__)
+    out = subprocess.run([sys.executable, str(tool), "--kv-cache-memory-bytes", "550000000",
+                          "--mtp", "--pp-layer-partition", MTP_SPLIT, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    d = json.loads(out)
+    assert d["layout"]["R"] == 85 and d["capacity"]["blocks"] == 170
+    inv = json.loads(subprocess.run([sys.executable, str(tool), "--want", "4x262144", "--json"],
+                                    capture_output=True, text=True, check=True).stdout)
+    assert inv["inverse"]["kv_cache_memory_bytes_mb"] == 783_000_000
+    assert "--ram-budget-gib" in subprocess.run([sys.executable, str(tool), "--help"],
+                                                capture_output=True, text=True).stdout
+
+
+# ---- cross-check: the same layers through the real upstream packer ----
+
+def _upstream_groups(lay, mtp):
+    torch = pytest.importorskip("torch")
+    from vllm.v1.core import kv_cache_utils as kvu
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec, MLAAttentionSpec
+
+    num_spec = int(mtp)
+    block = lay["block_size"]
+    conv = 10240 * (3 + num_spec)
+    gdn = MambaSpec(shapes=((conv // 10240, 10240), (48, 128, 128)),
+                    dtypes=(torch.bfloat16, torch.float32), block_size=block,
+                    mamba_cache_mode=lay["mamba_cache_mode"], num_speculative_blocks=num_spec)
+    ple = MambaSpec(shapes=((10240, 9 + num_spec),), dtypes=(torch.bfloat16,),
+                    block_size=block, tp_replicated=True,
+                    mamba_cache_mode=lay["mamba_cache_mode"], num_speculative_blocks=num_spec)
+    mla = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=128,
+                           dtype=torch.bfloat16, tokens_per_state=4)
+    ring = CircularBufferSpec(block_size=kc.ring_capacity(CFG, num_spec), num_kv_heads=1,
+                              head_size=128, head_size_v=0, dtype=torch.bfloat16)
+    assert gdn.page_size_bytes == lay["mamba_page_bytes"]
+    specs = {}
+    n = 48 + int(mtp)
+    for i in range(n):
+        if i == 48 or i % 4 == 3:
+            specs[f"layers.{i}.self_attn.indexer.raw_key_cache"] = ring
+            specs[f"layers.{i}.self_attn.indexer.compressed_key_cache"] = mla
+        else:
+            specs[f"layers.{i}.linear_attn"] = gdn
+        if i == 0:
+            specs[f"layers.{i}.ple_conv"] = ple
+    layout_obj = SimpleNamespace(is_block_outermost=True)
+    vcfg = SimpleNamespace(
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout_obj,
+                                     mamba_cache_mode=lay["mamba_cache_mode"]),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        speculative_config=None, model_config=SimpleNamespace(max_model_len=262144))
+    return vcfg, specs, kvu._get_packed_kv_cache_groups(vcfg, specs)
+
+
+@pytest.mark.parametrize("prefix,mtp", [(False, False), (True, False), (True, True)])
+def test_R_agrees_with_upstream_packer(prefix, mtp):
+    lay = layout(prefix, mtp)
+    vcfg, specs, groups = _upstream_groups(lay, mtp)
+    assert groups is not None
+    assert len(groups) == lay["num_groups"]
+    # resident pages per request (what get_max_concurrency_for_kv_cache_config counts)
+    r = sum(kc.cdiv(g.kv_cache_spec.first_spec.max_memory_usage_bytes(vcfg),
+                    g.kv_cache_spec.first_spec.page_size_bytes) for g in groups)
+    assert r == lay["R"]
+    # per-rank bytes per block (the per-worker projection of kv_cache_utils.py:1588-1611)
+    split = [int(x) for x in (MTP_SPLIT if mtp else "16,16,16").split(",")]
+    ranks = kc.rank_of_layers(split) + [2]  # the MTP layer sits on the last rank
+    per_rank = [max(sum(specs[n].page_size_bytes for n in g.layer_names
+                        if ranks[int(n.split(".")[1])] == r) for g in groups)
+                for r in range(3)]
+    assert per_rank == lay["bytes_per_block_per_rank"]
+
+
+# ---- the copy inside vllm (0200-qsa-kv-offload) agrees with the tool ----
+
+def _derivation(text):
+    a = text.index("# ---- DERIVATION")
+    b = text.index("# ---- END DERIVATION ----")
+    return text[a:b]
+
+
+def test_vllm_copy_agrees_with_tool():
+    qc = pytest.importorskip("vllm.models.qwen4_exp.common.qsa_capacity")
+    assert _derivation(Path(qc.__file__).read_text()) == _derivation(Path(kc.__file__).read_text())
+    for mtp in (False, True):
+        for prefix in (False, True):
+            for split in (None, "16,17,15", "20,14,14"):
+                for dt in ("bf16", "fp8"):
+                    kw = dict(pp_size=3, partition=split, max_model_len=262144,
+                              prefix_caching=prefix, num_spec=int(mtp), indexer_dtype=dt)
+                    assert qc.capacity_layout(CFG, **kw) == kc.capacity_layout(CFG, **kw)
+    assert qc.model_block_size(CFG, 3) == 12_144
+    assert qc.model_block_size(CFG, 3, MTP_SPLIT, 1, 1) == 9_776
