@@ -13,6 +13,7 @@ path against the fused one, on the same inputs.
 import dataclasses
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -324,6 +325,21 @@ def test_launch_count_per_step(kind, fake_cuda, monkeypatch):
 
     ops_up, out_up = step(fused=False)
     assert launches == []
+    # VLLM_MAMBA_ALIGN_FUSED=0: no attribute (so MambaHybridModelState skips
+    # its launch) and the builds dispatch exactly the upstream ops.
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_FUSED", "0")
+    builders_off = [
+        BUILDERS[kind][0](spec, [f"l{g}"], vc, torch.device("cpu"))
+        for g in range(num_groups)
+    ]
+    assert not any(hasattr(b, "mamba_aligned_state_indices") for b in builders_off)
+    counter = _CountKernels()
+    with counter:
+        out_off = [b.build(0, common(g)) for g, b in enumerate(builders_off)]
+    assert counter.ops == ops_up
+    for a, b in zip(out_up, out_off):
+        _equal_metadata(a, b)
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_FUSED", "1")
     ops_fused, out_fused = step(fused=True)
     assert len(launches) == 1
     for a, b in zip(out_up, out_fused):
@@ -346,3 +362,80 @@ def test_launch_count_per_step(kind, fake_cuda, monkeypatch):
         f"\n{num_groups} {kind} groups, 4 decodes: upstream {len(ops_up)} aten "
         f"kernels in build, fused {len(ops_fused)} aten + {len(launches)} Triton"
     )
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_builders_spec_decode_equal_upstream(kind, fake_cuda, monkeypatch):
+    """Same with MTP: 1 + nspec state slots per request, spec-decode rows
+    (query 1 + nspec, draft count >= 0) mixed with prefills."""
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_FUSED", "1")
+    cls, mamba_type = BUILDERS[kind]
+    rng = random.Random(77 + len(kind))
+    for _ in range(8):
+        nspec = rng.choice([1, 2, 3])
+        vc = _vllm_config("align")
+        # only these two fields are read by the builders
+        spec_cfg = SimpleNamespace(
+            num_speculative_tokens=nspec, parallel_drafting=False
+        )
+        object.__setattr__(vc, "speculative_config", spec_cfg)
+        num_groups = rng.choice([1, 3])
+        block_size = rng.choice([16, 64])
+        num_reqs = rng.randint(1, 6)
+        tables, seq_lens = _random_case(rng, num_groups, block_size, nspec, num_reqs, 6)
+        width = tables[0].shape[1]
+        max_len = (width - nspec) * block_size
+        num_spec = rng.randint(1, num_reqs)
+        qlens = [1 + nspec] * num_spec + [
+            rng.randint(2, min(40, max_len)) for _ in range(num_reqs - num_spec)
+        ]
+        seq_lens[:num_reqs] = torch.maximum(
+            seq_lens[:num_reqs], torch.tensor(qlens, dtype=torch.int32)
+        ).clamp_(max=max_len)
+        drafts = torch.tensor(
+            [nspec] * num_spec + [-1] * (num_reqs - num_spec), dtype=torch.int32
+        )
+        qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(qlens, dtype=torch.int32), 0)
+        spec = MambaSpec(
+            block_size=block_size,
+            shapes=((1,),),
+            dtypes=(torch.float32,),
+            mamba_type=mamba_type,
+            mamba_cache_mode="align",
+            num_speculative_blocks=nspec,
+        )
+        g = rng.randrange(num_groups)
+        sl = seq_lens[:num_reqs].clone()
+        m = CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=sl,
+            seq_lens_cpu_upper_bound=sl.clone(),
+            num_reqs=num_reqs,
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(qlens),
+            max_seq_len=int(sl.max()),
+            block_table_tensor=tables[g][:num_reqs],
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            is_prefilling=torch.tensor(qlens) > 1 + nspec,
+        )
+        fused_b, ref_b = (cls(spec, ["l0"], vc, torch.device("cpu")) for _ in "ab")
+        ctx = _ctx(tables, 6, 1 + nspec, block_size)
+        fused_b.mamba_aligned_state_indices = ctx.compute_aligned_state_indices(
+            seq_lens, num_reqs
+        )[g]
+        del ref_b.mamba_aligned_state_indices
+        kw = dict(
+            num_accepted_tokens=torch.ones(num_reqs, dtype=torch.int32),
+            num_decode_draft_tokens_cpu=drafts,
+        )
+        got = fused_b.build(0, m, **kw)
+        want = ref_b.build(0, m, **kw)
+        _equal_metadata(got, want)
+        # the spec-decode branch really ran
+        assert got.spec_state_indices_tensor is not None
+        if kind == "gdn":
+            assert got.spec_state_indices_tensor.shape[1] == 1 + nspec
+        else:
+            assert got.num_spec_decodes == num_spec
