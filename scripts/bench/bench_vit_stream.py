@@ -41,6 +41,7 @@ def load_streamer(module_path: str | None):
         sys.modules["vllm.logger"] = shim
     spec = importlib.util.spec_from_file_location("vit_stream", module_path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["vit_stream"] = mod  # dataclasses look the module up
     spec.loader.exec_module(mod)
     return mod
 
