@@ -225,11 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="PNG", help="write a tok/s vs streams chart (pure-Python PNG)")
     args = ap.parse_args(argv)
 
-    client = oc.Client(args.base_url, oc.api_key_from(args), timeout=args.timeout)
-    try:
-        oc.check_server(client)
-    except oc.ClientError as e:
-        print(f"error: {e}", file=sys.stderr)
+    client = oc.connect(args)
+    if client is None:
         return 2
     prefixes = ["warm", "cold"] if args.prefix == "both" else [args.prefix]
     configs, skipped = [], []

@@ -120,11 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= 64:
         ap.error("--requests must be 1..64")
-    client = oc.Client(args.base_url, oc.api_key_from(args), timeout=args.timeout)
-    try:
-        oc.check_server(client)
-    except oc.ClientError as e:
-        print(f"error: {e}", file=sys.stderr)
+    client = oc.connect(args)
+    if client is None:
         return 2
     extra = dict(args.extra_body or {})
     if args.thinking != "default":

@@ -29,6 +29,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 import urllib.parse
 
@@ -313,6 +314,18 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         out[m.group(1)] = out.get(m.group(1), 0.0) + v
     return out
+
+
+def connect(args) -> "Client | None":
+    """The Client for --base-url/--api-key/--timeout, checked against the
+    server; None (after printing the reason) when the server is not usable."""
+    client = Client(args.base_url, api_key_from(args), timeout=args.timeout)
+    try:
+        check_server(client)
+    except ClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return client
 
 
 def check_server(client: Client, what: str = "server") -> None:

@@ -161,11 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-body", type=oc.json_arg, default=None)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    client = oc.Client(args.base_url, oc.api_key_from(args), timeout=args.timeout)
-    try:
-        oc.check_server(client)
-    except oc.ClientError as e:
-        print(f"error: {e}", file=sys.stderr)
+    client = oc.connect(args)
+    if client is None:
         return 2
     try:
         from tqdm import tqdm
