@@ -78,6 +78,10 @@ class FakeState:
         self.schema_count = 0
         self.active = 0
         self.max_active = 0
+        # Gaps (s) between consecutive content chunks as actually sent: the
+        # truth a client-side ITL is compared against (sleep can overshoot on
+        # a loaded machine; the measurement must follow what was sent).
+        self.sent_gaps: list[float] = []
         self.noise = random.Random(cfg.noise_seed)
 
     def itl(self, i: int) -> float:
@@ -276,6 +280,11 @@ class Handler(BaseHTTPRequestHandler):
                     self.raw_chunk(b"")
                     return
                 self.sse(dict(base, choices=[{"index": 0, "delta": {"content": p}, "finish_reason": None}]))
+                now = time.perf_counter()
+                if i:
+                    with st.lock:
+                        st.sent_gaps.append(now - last_sent)
+                last_sent = now
             self.sse(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "length"}]))
             if (body.get("stream_options") or {}).get("include_usage"):
                 self.sse(dict(base, choices=[], usage=usage))

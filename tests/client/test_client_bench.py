@@ -40,6 +40,7 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
                                  "--json", str(out), "--plot", str(png)])
         reqs = list(srv.state.requests)
         max_active = srv.state.max_active
+        sent_gaps = list(srv.state.sent_gaps)
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["command"][1] == "scripts/bench_serving.py"
@@ -49,17 +50,36 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
     for (p, conc), r in by.items():
         s = r["summary"]
         assert len(r["runs"]) == 3 and s["errors"] == 0 and s["requests"] == 3 * conc
-        assert 7.5 <= s["itl_ms"]["median"] <= 11.0, s["itl_ms"]
-        assert 13.0 <= s["itl_ms"]["mean"] <= 18.0, s["itl_ms"]
-        # 10 gaps per stream: 8 x 8 ms + 2 x 40 ms = 0.144 s -> 10 / 0.144 = 69.4 tok/s
-        assert 52 <= s["tok_s_per_stream_mean"] <= 70.5
+        # Median 8 ms (4 of 5 gaps); an upper bound is checked against what
+        # the server really sent, below, so machine load cannot fail it.
+        assert s["itl_ms"]["median"] >= 7.5, s["itl_ms"]
+        # The mean sees the 40 ms gaps; sleeps only overshoot, so 14.4 ms is a floor.
+        assert s["itl_ms"]["mean"] >= 13.0 and s["itl_ms"]["mean"] > s["itl_ms"]["median"] + 3, s["itl_ms"]
+        # 10 gaps per stream: 8 x 8 ms + 2 x 40 ms = 0.144 s -> 10 / 0.144 = 69.4 tok/s at most
+        assert s["tok_s_per_stream_mean"] <= 70.5
         assert s["total_tok_s_mean"] > 0.8 * conc * 11 / (0.144 + 0.05 + 20e-6 * p + 0.1)
         expect_ttft = 0.05 + 20e-6 * s["prompt_tokens_server_median"]
         assert expect_ttft - 0.002 <= s["ttft_s"]["median"] <= expect_ttft + 0.06
+    # Client-side ITL follows what the server really sent (its own clock),
+    # whatever the load: the mean of every measured gap against the mean of
+    # every gap sent (warm-ups included; same process, so the means agree;
+    # a client-side stall only moves chunks, the mean gap of a stream is
+    # (last - first) / n either way).
+    client_ms = [x * 1e3 for r in d["results"] for run in r["runs"] for x in run["itl_s"]]
+    sent_ms = [g * 1e3 for g in sent_gaps]
+    assert len(sent_ms) == 10 * len([p for p, _ in reqs if p == "/v1/chat/completions"])
+    c_mean, s_mean = sum(client_ms) / len(client_ms), sum(sent_ms) / len(sent_ms)
+    assert s_mean >= 14.4 - 0.5
+    assert abs(c_mean - s_mean) <= 0.15 * s_mean, (c_mean, s_mean)
+    c_med, s_med = sorted(client_ms)[len(client_ms) // 2], sorted(sent_ms)[len(sent_ms) // 2]
+    assert 7.5 <= s_med and abs(c_med - s_med) <= 2.0, (c_med, s_med)
     # /tokenize calibrated the 3000-token filler to within 1 %.
     assert abs(d["prompts"]["3000"]["tokens_measured"] - 3000) <= 30
     assert 2980 <= by[(3000, 1)]["summary"]["prompt_tokens_server_median"] <= 3100
-    assert max_active == 3  # the 3 streams really overlapped
+    # The 3 streams really overlapped. (Not "== 3": a server handler counts
+    # itself active until its last write returns, so on a loaded machine the
+    # next round's request can arrive before the previous handler has left.)
+    assert max_active >= 3
     chats = [b for p, b in reqs if p == "/v1/chat/completions"]
     assert len(chats) == (1 + 3) * ((1 + 3) * 2 + 1)  # (warm-up + 3 runs) x streams of every config
     assert all(b["ignore_eos"] and b["max_tokens"] == 11 and b["seed"] == 0 and b["stream"] for b in chats)
