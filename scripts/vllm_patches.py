@@ -14,6 +14,8 @@ Commands
   apply TARGET     apply the series to an installed vllm (site-packages dir or
                    the vllm/ package dir); `--check` verifies instead
   revert TARGET    reverse-apply what the manifest says was applied
+  combine OUT DIR...  a tree whose series is the union of several patch dirs
+                   (parallel branches), cherry-picked in numeric order
   gates            print the gates table (markdown) from the patch headers
 
 Why our own applier instead of `patch`/`git apply`: both accept hunks at an
@@ -680,6 +682,43 @@ def export_tree(src: Path, patch_dir: Path = PATCH_DIR, log=print) -> list[str]:
     return names
 
 
+def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
+    """A tree whose series is the union of several patch dirs, by patch name
+    (a later dir wins), cherry-picked on pristine in numeric order.
+
+    This is how branches that each grew their own patches merge: git's 3-way
+    cherry-pick re-derives the line numbers that the strict applier needs
+    (a patch made beside another one in the same file no longer applies at
+    its stated lines). Tree building is deterministic (fixed author/dates), so
+    every source tree shares the same pristine commit. On a conflict the tree
+    is left mid-cherry-pick for you to resolve (`git cherry-pick --continue`).
+    """
+    if dest.exists() and any(dest.iterdir()):
+        raise PatchError(f"{dest} exists and is not empty")
+    picks: dict[str, tuple[int, str]] = {}
+    for i, d in enumerate(patch_dirs):
+        src = Path(tempfile.mkdtemp(prefix=f"vllm3x-combine-{i}-"))
+        make_tree(src, d, log=lambda *a: None)
+        if i == 0:
+            shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True)
+        git(dest, "fetch", "-q", str(src), f"series:src-{i}")
+        shutil.rmtree(src)
+        for c in git(dest, "rev-list", "--reverse", f"pristine..src-{i}").decode().split():
+            subject = git(dest, "log", "-1", "--format=%s", c).decode().strip()
+            picks[subject] = (i, c)
+    git(dest, "checkout", "-q", "-B", "series", "refs/tags/pristine")
+    for subject in sorted(picks):
+        i, c = picks[subject]
+        try:
+            git(dest, "cherry-pick", "--allow-empty", c)
+        except PatchError as e:
+            raise PatchError(f"{subject} (from {patch_dirs[i]}) conflicts in {dest}: resolve, "
+                             f"`git cherry-pick --continue`, pick the rest ({', '.join(sorted(picks))}), "
+                             f"then export. {e}") from e
+        log(f"picked {subject} from {patch_dirs[i]}")
+    return sorted(picks)
+
+
 def gates_table(patch_dir: Path = PATCH_DIR) -> str:
     rows = ["| patch | gate | default | spec | what |", "|---|---|---|---|---|"]
     for p in load_series(patch_dir):
@@ -741,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("dir", type=Path)
     e = sub.add_parser("export", help="export a development tree's commits to patches/")
     e.add_argument("dir", type=Path)
+    c = sub.add_parser("combine", help="tree = union of several patch dirs, in numeric order")
+    c.add_argument("dir", type=Path)
+    c.add_argument("patch_dirs", type=Path, nargs="+")
     a = sub.add_parser("apply", help="apply the series to an installed vllm")
     a.add_argument("target", help="site-packages dir (containing vllm/) or the vllm/ package dir")
     a.add_argument("--check", action="store_true", help="verify an applied tree against its manifest")
@@ -755,6 +797,8 @@ def main(argv: list[str] | None = None) -> int:
             print(fetch_wheel())
         elif args.cmd == "tree":
             make_tree(args.dir.resolve(), args.patches)
+        elif args.cmd == "combine":
+            combine_trees(args.dir.resolve(), [d.resolve() for d in args.patch_dirs])
         elif args.cmd == "export":
             export_tree(args.dir.resolve(), args.patches)
         elif args.cmd == "apply":
