@@ -133,6 +133,21 @@ class Patch:
     def sha256(self) -> str:
         return sha256_bytes(self.raw)
 
+    def added_lines(self, path: str) -> str:
+        """The lines this patch adds to one file, joined."""
+        return "".join(s for fp in self.files if fp.path == path
+                       for h in fp.hunks for t, s in h.lines if t == "+")
+
+
+ENVS_ENTRY_RE = re.compile(r'^\s+"(VLLM_[A-Z0-9_]+)":', re.M)
+
+
+def envs_gates(patches: list["Patch"]) -> dict[str, str]:
+    """VLLM_* variables the series adds to envs.py's environment_variables
+    -> the name of the patch that adds each."""
+    return {name: p.name for p in patches
+            for name in ENVS_ENTRY_RE.findall(p.added_lines("vllm/envs.py"))}
+
 
 _HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -697,12 +712,14 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
         raise PatchError(f"{dest} exists and is not empty")
     picks: dict[str, tuple[int, str]] = {}
     for i, d in enumerate(patch_dirs):
-        src = Path(tempfile.mkdtemp(prefix=f"vllm3x-combine-{i}-"))
-        make_tree(src, d, log=lambda *a: None)
         if i == 0:
-            shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True)
-        git(dest, "fetch", "-q", str(src), f"series:src-{i}")
-        shutil.rmtree(src)
+            make_tree(dest, d, log=lambda *a: None)
+            git(dest, "branch", "src-0", "series")
+        else:
+            src = Path(tempfile.mkdtemp(prefix=f"vllm3x-combine-{i}-"))
+            make_tree(src, d, log=lambda *a: None)
+            git(dest, "fetch", "-q", str(src), f"series:src-{i}")
+            shutil.rmtree(src)
         for c in git(dest, "rev-list", "--reverse", f"pristine..src-{i}").decode().split():
             subject = git(dest, "log", "-1", "--format=%s", c).decode().strip()
             picks[subject] = (i, c)

@@ -166,19 +166,11 @@ def test_podman_variant_uses_cdi():
 def _upstream_env_names() -> set[str]:
     pristine = vp.pristine_cache(log=lambda *a: None)
     text = (pristine / "vllm" / "envs.py").read_text()
-    return set(re.findall(r'^\s+"(VLLM_[A-Z0-9_]+)":', text, re.M))
+    return set(vp.ENVS_ENTRY_RE.findall(text))
 
 
 def _series_gates() -> set[str]:
-    names = set()
-    for p in vp.load_series():
-        for fp in p.files:
-            if fp.path == "vllm/envs.py":
-                for h in fp.hunks:
-                    for t, s in h.lines:
-                        if t == "+":
-                            names.update(re.findall(r'^\s+"(VLLM_[A-Z0-9_]+)":', s))
-    return names
+    return set(vp.envs_gates(vp.load_series()))
 
 
 # Our own variables (build args, tool settings): not vLLM's.

@@ -18,24 +18,13 @@ REPO = Path(__file__).resolve().parents[2]
 SERIES = vp.load_series()
 
 
-def added_lines(patch: vp.Patch, path: str) -> str:
-    out = []
-    for fp in patch.files:
-        if fp.path == path:
-            for h in fp.hunks:
-                out += [s for t, s in h.lines if t == "+"]
-    return "".join(out)
-
-
 def declared_gates() -> dict[str, str]:
     """gate -> name of the patch that declares it in envs.py (both places)."""
-    decl = {}
-    for p in SERIES:
-        added = added_lines(p, "vllm/envs.py")
-        for name in re.findall(r'^\s+"(VLLM_[A-Z0-9_]+)":', added, re.M):
-            assert re.search(rf"^\s+{name}: ", added, re.M), (
-                f"{p.name}: {name} is in environment_variables but not declared in the TYPE_CHECKING block")
-            decl[name] = p.name
+    decl = vp.envs_gates(SERIES)
+    for name, patch in decl.items():
+        added = next(p for p in SERIES if p.name == patch).added_lines("vllm/envs.py")
+        assert re.search(rf"^\s+{name}: ", added, re.M), (
+            f"{patch}: {name} is in environment_variables but not declared in the TYPE_CHECKING block")
     return decl
 
 
