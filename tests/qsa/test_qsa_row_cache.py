@@ -1,0 +1,172 @@
+"""0250-qsa-row-cache on the CPU (Triton interpreter, tiny shapes).
+
+* randomized decode steps (qsa_row_cache_sim): heavy line collisions (16
+  lines for up to ~100 live slots), host rows rewritten between steps, arena
+  overwrites, shared prefix blocks, epoch wraps; every step the cached
+  kernels' output equals the upstream split-K kernel's (torch.equal) and
+  every tagged line holds its slot's current host row. The interpreter runs
+  ~2 steps/s, so CI runs 40 steps (ROW_CACHE_STEPS=N for more); the GPU check
+  (test_qsa_row_cache_gpu.py) runs 1,000 steps at the real sizes.
+  The interpreter runs programs one after another: races are argued in
+  ops/qsa_row_cache.py and tested on the GPU.
+* the hooks in forward_qsa: gate on -> cached path (same output), gate off ->
+  untouched state; > 12 rows -> upstream; a prefill-config batch drops every
+  tag (a staged prefill overwrites the arena).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+rc = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ops.qsa_row_cache")
+import vllm.models.qwen4_exp.nvidia.model  # noqa: E402,F401  (qsa.py imports it; avoids a cycle)
+from qsa_row_cache_sim import Shape, line_of, run  # noqa: E402
+from vllm.models.qwen4_exp.nvidia.ops.qsa import qsa_sparse_paged_attention  # noqa: E402
+from vllm.models.qwen4_exp.nvidia.qsa import Qwen4ExpQSAFlashAttentionImpl  # noqa: E402
+
+STEPS = int(os.environ.get("ROW_CACHE_STEPS", "40"))
+
+
+def test_random_steps_equal_uncached():
+    # epoch_limit 6: each layer wraps ~3 times in 40 steps; arena overwrite
+    # p 0.08: ~3 overwrites.
+    out = run(STEPS, Shape(epoch_limit=6, arena_overwrite_p=0.08), seed=1)
+    assert out["steps"] == out["equal"] == STEPS
+    # the cache did work: rows served from VRAM, lines filled, the rare paths ran
+    assert out["hits"] > 0.15 * out["lookups"], out
+    assert out["tagged_max"] >= 8, out
+    assert out["arena_overwrites"] >= 1 and out["epoch_resets"] >= 1, out
+
+
+def test_line_hash_matches_kernel():
+    # The sim's torch line_of must be the kernel's line (check_lines uses it).
+    cache = rc.QSARowCache(torch.zeros(1, 16, 2, 32, dtype=torch.bfloat16))
+    slots = torch.tensor([0, 1, 5, 77, 2**31 - 1, 123456789], dtype=torch.int64)
+    # invalidate clears exactly the line a slot maps to when its tag matches
+    for s in slots.tolist():
+        line = int(line_of(torch.tensor([s]), 16))
+        cache.tags.fill_(-1)
+        cache.tags[0, line] = s
+        cache.invalidate(0, torch.tensor([s], dtype=torch.int64))
+        assert int(cache.tags[0, line]) == -1
+        cache.tags[0, line] = s + 1  # another slot on the line survives
+        cache.invalidate(0, torch.tensor([s, -1], dtype=torch.int64))
+        assert int(cache.tags[0, line]) == s + 1
+
+
+def test_epochs_and_wrap_reset():
+    cache = rc.QSARowCache(torch.zeros(2, 8, 2, 32, dtype=torch.bfloat16), epoch_limit=4)
+    cache.tags[0] = 3
+    cache.hitmarks[0] = 2
+    cache.claims[0] = 5
+    cache.tags[1] = 3
+    empty = torch.empty(0, dtype=torch.int64)
+    cache.invalidate(0, empty)
+    cache.invalidate(0, empty)
+    assert cache.epochs.tolist() == [3, 1] and int(cache.tags[0, 0]) == 3
+    cache.invalidate(0, empty)  # 3 + 1 reaches the limit: reset, restart at 1
+    assert cache.epochs.tolist() == [1, 1]
+    assert (cache.tags[0] == -1).all() and (cache.hitmarks[0] == 0).all()
+    assert (cache.claims[0] == 0).all()
+    assert (cache.tags[1] == 3).all()  # other layers untouched
+
+
+H_KV, GROUP, D, BS = 2, 2, 16, 8
+
+
+def _case(seed, rows=3, num_blocks=6, topk=24, width=3):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(num_blocks, BS, H_KV, 2 * D, generator=g).to(torch.bfloat16)
+    kv_cache = kv.transpose(1, 2)
+    q = torch.randn(rows, H_KV * GROUP, D, generator=g).to(torch.bfloat16)
+    gate = torch.randn(rows, H_KV * GROUP, D, generator=g).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=g)[: 2 * width].view(2, width).to(torch.int32)
+    tok2req = torch.randint(0, 2, (rows,), generator=g).to(torch.int32)
+    idx = torch.randint(0, width * BS, (rows, topk), generator=g).to(torch.int32)
+    packed = torch.cat([idx, torch.full((rows, 1), topk, dtype=torch.int32)], 1)
+    return kv_cache, q, gate, packed, table, tok2req
+
+
+def _forward(layer, kv_cache, q, gate, table, tok2req, prefill=False):
+    impl = SimpleNamespace(alibi_slopes=None, sinks=None, sliding_window=(-1, -1), head_size=D)
+    meta = SimpleNamespace(num_actual_tokens=q.shape[0], block_table=table)
+    out = torch.empty_like(q)
+    Qwen4ExpQSAFlashAttentionImpl.forward_qsa(
+        impl, layer, q, None, None, kv_cache, meta, out, token_to_req=tok2req,
+        use_prefill_config=prefill, output_gate=gate.contiguous())
+    return out
+
+
+@pytest.mark.parametrize("gate_on", [False, True])
+def test_forward_qsa_hook(monkeypatch, gate_on):
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1" if gate_on else "0")
+    kv_cache, q, gate, packed, table, tok2req = _case(2)
+    k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
+    ref = torch.zeros_like(q)
+    qsa_sparse_paged_attention(q, k, v, packed, table, tok2req, False, ref,
+                               output_gate=gate.contiguous())
+    # stand-in for 0200's arena: [layers, block, heads, 2D]
+    arena = SimpleNamespace(buffer=torch.zeros(2, BS, H_KV, 2 * D, dtype=torch.bfloat16))
+    layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena,
+                            layer_name="l0")
+    for step in range(2):
+        out = _forward(layer, kv_cache, q, gate, table, tok2req)
+        assert torch.equal(out, ref)
+        cache = getattr(arena, "row_cache", None)
+        assert (cache is not None) == gate_on
+        if gate_on:
+            assert int((cache.tags[0] >= 0).sum()) > 0  # rows were cached
+            if step == 1:
+                assert int(cache.stats[0, 0]) == 0  # (count_hits off)
+    if gate_on:
+        cache.count_hits = True
+        # no invalidate ran, so the same epoch: bump it like a store would
+        cache.invalidate(0, torch.empty(0, dtype=torch.int64))
+        assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref)
+        assert int(cache.stats[0, 0]) > 0  # served from VRAM
+        # a prefill-config batch drops every tag of every layer
+        cache.tags[1] = 5
+        _forward(layer, kv_cache, q, gate, table, tok2req, prefill=True)
+        assert (cache.tags == -1).all()
+
+
+def test_forward_qsa_large_batch_takes_upstream(monkeypatch):
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
+    kv_cache, q, gate, packed, table, tok2req = _case(3, rows=rc.ROW_CACHE_MAX_ROWS + 1, topk=8)
+    k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
+    ref = torch.zeros_like(q)
+    qsa_sparse_paged_attention(q, k, v, packed, table, tok2req, False, ref,
+                               output_gate=gate.contiguous())
+    arena = SimpleNamespace(buffer=torch.zeros(1, BS, H_KV, 2 * D, dtype=torch.bfloat16))
+    layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena)
+    assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref)
+    assert (arena.row_cache.tags == -1).all()  # untouched
+    # one layer past the arena's slices: no cache for it
+    other = SimpleNamespace(topk_indices_buffer=packed[:3], qsa_staging_arena=arena)
+    assert rc._cache_of(other, kv_cache) == (None, -1)
+
+
+def test_no_arena_no_cache(monkeypatch):
+    # K/V in VRAM (no 0200 arena): the hooks do nothing
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
+    kv_cache, *_ = _case(4)
+    layer = SimpleNamespace()
+    rc.invalidate(layer, kv_cache, torch.zeros(3, dtype=torch.int64))
+    assert rc._cache_of(layer, kv_cache) == (None, -1)
+
+
+def test_run_qsa_invalidates_after_store():
+    # the hook sits right after the K/V store in _run_qsa
+    import inspect
+
+    from vllm.models.qwen4_exp.nvidia.qsa import Qwen4ExpQSAAttention
+
+    src = inspect.getsource(Qwen4ExpQSAAttention._run_qsa)
+    store = src.index("impl.do_kv_cache_update(")
+    inval = src.index("qsa_row_cache.invalidate(")
+    attn = src.index("impl.forward_qsa(")
+    assert store < inval < attn
