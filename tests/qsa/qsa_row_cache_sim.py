@@ -48,6 +48,7 @@ class Shape:
     table_width: int = 6  # block-table columns
     max_requests: int = 3
     max_rows: int = 12
+    max_rows_per_request: int = 2
     shared_prefix: int = 2  # blocks every request starts with
     overlap: float = 0.7  # step-to-step selection overlap
     arena_overwrite_p: float = 0.03
@@ -84,21 +85,20 @@ class Sim:
         self.g = torch.Generator(device="cpu").manual_seed(seed)
         # Host K/V per layer: [blocks, page, heads, 2D] token-major storage
         # (BLNHC) seen as [blocks, heads, page, 2D], as 0200 binds it.
+        torch.manual_seed(seed)  # device-side garbage (arena overwrites)
         self.kv = []
         self._host_keep = []
+        shape = (s.num_blocks, s.page_size, s.kv_heads, 2 * s.head_dim)
         for _ in range(s.layers):
-            base = torch.randn(
-                s.num_blocks, s.page_size, s.kv_heads, 2 * s.head_dim, generator=self.g
-            ).bfloat16()
-            if make_host is not None:
-                keep, view = make_host(base)
+            if make_host is not None:  # e.g. pinned host memory + its UVA view
+                keep, view = make_host(shape)
                 self._host_keep.append(keep)
             else:
-                view = base.to(self.dev)
+                view = torch.randn(shape, generator=self.g).bfloat16().to(self.dev)
             self.kv.append(view.transpose(1, 2))
         arena = torch.randn(
-            s.layers, s.lines, s.kv_heads, 2 * s.head_dim, generator=self.g
-        ).bfloat16().to(self.dev)
+            s.layers, s.lines, s.kv_heads, 2 * s.head_dim, device=self.dev
+        ).bfloat16()
         self.cache = rc.QSARowCache(arena, epoch_limit=s.epoch_limit)
         self.cache.count_hits = True
         self.requests = [self._new_request() for _ in range(s.max_requests)]
@@ -117,7 +117,7 @@ class Sim:
         if torch.rand(1, generator=self.g).item() < 0.2:
             table[self._rand(1, high=s.table_width)] = -1  # unused / invalid entry
         ctx = int(self._rand(1, high=s.table_width * s.page_size).item()) + 1
-        rows = 1 + int(torch.rand(1, generator=self.g).item() < 0.3)  # MTP-like 2 rows
+        rows = 1 + int(self._rand(1, high=s.max_rows_per_request).item())  # MTP: > 1 row
         sel = [self._rand(s.topk, high=ctx) for _ in range(rows)]
         return dict(table=table, ctx=ctx, sel=sel, pos=ctx - 1)
 
@@ -164,7 +164,7 @@ class Sim:
         self.stats["stores"] += len(slots)
         self.cache.invalidate(layer, slot_mapping.to(dev))
         if torch.rand(1, generator=self.g).item() < s.arena_overwrite_p:
-            self.cache.rows.copy_(torch.randn(self.cache.rows.shape, generator=self.g).bfloat16())
+            self.cache.rows.copy_(torch.randn(self.cache.rows.shape, device=dev))
             self.cache.invalidate_all()
             self.stats["arena_overwrites"] += 1
 

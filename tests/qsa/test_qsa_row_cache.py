@@ -170,3 +170,35 @@ def test_run_qsa_invalidates_after_store():
     inval = src.index("qsa_row_cache.invalidate(")
     attn = src.index("impl.forward_qsa(")
     assert store < inval < attn
+
+
+def test_with_0200_staged_prefill(monkeypatch):
+    """With 0200's arena: decode (cached) -> staged prefill (overwrites the
+    arena) -> decode: every output equals the uncached path. Skips where
+    0200-qsa-kv-offload is not in the series."""
+    qhk = pytest.importorskip("vllm.models.qwen4_exp.nvidia.qsa_host_kv")
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
+    monkeypatch.setenv("VLLM_QSA_KV_OFFLOAD", "1")
+    kv_cache, q, gate, packed, table, tok2req = _case(5, rows=4, topk=32)
+    k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
+    arena = qhk.QSAStagingArena(2, BS, H_KV, D, "cpu")
+    layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena,
+                            layer_name="l0")
+
+    def ref(prefill):
+        out = torch.zeros_like(q)
+        qsa_sparse_paged_attention(q, k, v, packed, table, tok2req, prefill, out,
+                                   output_gate=gate.contiguous())
+        return out
+
+    assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref(False))
+    cache = arena.row_cache
+    filled = int((cache.tags >= 0).sum())
+    assert filled > 0
+    before = arena.buffer.clone()
+    assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req, prefill=True), ref(True))
+    assert not torch.equal(arena.buffer, before)  # staging overwrote cached rows
+    assert (cache.tags == -1).all()
+    cache.invalidate(0, torch.empty(0, dtype=torch.int64))  # next step's store
+    assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref(False))
+    assert int((cache.tags >= 0).sum()) == filled
