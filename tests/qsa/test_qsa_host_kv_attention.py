@@ -144,3 +144,40 @@ def test_bind_host_kv_layers(monkeypatch):
     assert ptrs[1] - ptrs[0] == per_layer and ptrs[2] - ptrs[1] == per_layer
     assert all(layer.qsa_host_kv and layer.qsa_staging_arena is arena for layer in layers)
     assert layers[0].kv_cache.shape == (5, H_KV, BS, 2 * D)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33])
+def test_stage_rows_gathers_token_rows(n):
+    # the Triton gather equals torch indexing of the same token rows, for
+    # row counts around the 8-rows-per-program tile, and leaves the rest of
+    # the destination untouched
+    g = torch.Generator().manual_seed(n)
+    kv = torch.randn(5, BS, H_KV, 2 * D, generator=g).to(torch.bfloat16)
+    kv_cache = kv.transpose(1, 2)
+    slots = torch.randperm(5 * BS, generator=g)[:n]
+    dst = torch.full((n + 3, H_KV, 2 * D), 7.0, dtype=torch.bfloat16)
+    qhk.stage_rows(kv_cache, slots, dst)
+    want = kv[slots // BS, slots % BS]
+    assert torch.equal(dst[:n], want)
+    assert (dst[n:] == 7.0).all()
+
+
+def test_stage_rows_refuses_other_layouts():
+    kv = torch.zeros(2, H_KV, BS, 2 * D, dtype=torch.bfloat16)  # heads outer: rows not contiguous
+    with pytest.raises(ValueError, match="BLNHC"):
+        qhk.stage_rows(kv, torch.zeros(1, dtype=torch.int64),
+                       torch.zeros(1, H_KV, 2 * D, dtype=torch.bfloat16))
+
+
+def test_stage_rows_fits_sm86():
+    from sm86 import assert_fits_sm86
+
+    c = assert_fits_sm86(
+        qhk._qsa_stage_rows_kernel,
+        signature={"src_ptr": "*bf16", "dst_ptr": "*bf16", "slots_ptr": "*i64", "num_rows": "i32",
+                   "block_size": "i32", "stride_src_block": "i64", "stride_src_token": "i32"},
+        constexprs={"ROW": 1024, "ROWS_PER_PROGRAM": qhk.STAGE_ROWS_PER_PROGRAM},
+        aligned=("src_ptr", "dst_ptr", "slots_ptr", "block_size", "stride_src_block",
+                 "stride_src_token"),
+        num_warps=qhk.STAGE_NUM_WARPS)
+    assert c.shared <= 101_376
