@@ -106,10 +106,11 @@ def test_forward_qsa_both_gates(monkeypatch, gate_on):
     assert bool(used) == gate_on
 
 
-def test_split_parts_keep_whole_batch_config():
+def test_split_parts_keep_whole_batch_config(monkeypatch):
     # the launch config (tile width, split count) decides the summation order;
     # a part of a split batch must launch as the whole batch would (on the GPU
     # a 64-row prefill split into 8-row parts otherwise changes the result)
+    monkeypatch.setattr(qhk, "SPLIT_MIN_REUSE", 0.0)  # always split
     kv_cache, q, gate, packed, table, tok2req = _case(6, rows=8)
     seen = []
 
@@ -181,3 +182,30 @@ def test_stage_rows_fits_sm86():
                  "stride_src_token"),
         num_warps=qhk.STAGE_NUM_WARPS)
     assert c.shared <= 101_376
+
+
+@pytest.mark.parametrize("min_reuse", [0.0, float("inf")])
+def test_overflow_splits_or_reads_over_uva(monkeypatch, min_reuse):
+    # an arena too small for the batch: with enough reuse the batch is split
+    # into staged parts, without it the whole batch reads the host view
+    # directly (original indices and table); both equal the direct path
+    monkeypatch.setattr(qhk, "SPLIT_MIN_REUSE", min_reuse)
+    kv_cache, q, gate, packed, table, tok2req = _case(7, rows=8)
+    calls = []
+
+    def spy(q_, k, v, idx, tbl, *a, **kw):
+        calls.append((q_.shape[0], tbl is table))
+        return qsa_sparse_paged_attention(q_, k, v, idx, tbl, *a, **kw)
+
+    arena = qhk.QSAStagingArena(1, BS, H_KV, D, "cpu")
+    stats = {}
+    assert qhk.stage_selected_rows(kv_cache, packed, table, tok2req, arena, stats) is None
+    assert stats["distinct"] > arena.rows and stats["selected"] >= stats["distinct"]
+    out = torch.zeros_like(q)
+    qhk.staged_sparse_attention(spy, q, kv_cache, D, packed, table, tok2req, True, out,
+                                gate.contiguous(), arena)
+    if min_reuse == 0.0:
+        assert len(calls) > 1 and not all(direct for _, direct in calls)
+    else:
+        assert calls == [(8, True)]
+    assert torch.equal(out, _direct(kv_cache, q, gate, packed, table, tok2req))
