@@ -62,8 +62,9 @@ def timed(fn, n):
     return s.elapsed_time(e) / n
 
 
-def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena):
-    """The first staging (kept here to time against): torch advanced indexing."""
+def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena, stats=None):
+    """The first staging (kept here to time against): torch advanced indexing,
+    and an overflowing batch always halved (stats claim unbounded reuse)."""
     block_size = kv_cache.shape[2]
     topk = logical_indices.shape[1] - 1
     idx = logical_indices[:, :topk].long()
@@ -78,6 +79,8 @@ def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena):
     valid &= (physical >= 0) & (physical < kv_cache.shape[0])
     slots = physical * block_size + safe_idx % block_size
     unique, inverse = torch.unique(slots[valid], sorted=True, return_inverse=True)
+    if stats is not None:
+        stats.update(selected=float("inf"), distinct=unique.numel())
     if unique.numel() > arena.rows:
         return None
     tokens = kv_cache.transpose(1, 2)
