@@ -35,6 +35,8 @@ def main() -> None:
          "        from dev_stubs import get_accelerator_view_from_cpu_tensor"),
         (r"^from vllm\.model_executor\.warmup\.jit_warmup_triton_helper import \($",
          "from dev_stubs import ("),
+        # only allocate_host_resident_kv uses it, which the kit never calls
+        (r"^    from vllm\.v1\.kv_cache_interface import \($", "    from dev_stubs import ("),
         (r"^from vllm\.triton_utils import HAS_TRITON, tl, triton$",
          "import triton\nimport triton.language as tl\nHAS_TRITON = True"),
     ]
@@ -53,8 +55,10 @@ def main() -> None:
               if isinstance(n, ast.FunctionDef) and n.name == "pin_tensor")
     (out / "dev_stubs.py").write_text(
         (HERE / "qsa_device_stubs.py.in").read_text() + "\n\n" + ast.get_source_segment(mem_ops, fn) + "\n")
-    shutil.copy(HERE / "qsa_uva_device_check.py", out / "qsa_uva_device_check.py")
-    print(f"kit in {out}: run `python3 qsa_uva_device_check.py` there (OUT=dir for the JSON)")
+    for script in ("qsa_uva_device_check.py", "bench_qsa_staging.py"):
+        shutil.copy(HERE / script, out / script)
+    print(f"kit in {out}: run `python3 qsa_uva_device_check.py` or "
+          "`python3 bench_qsa_staging.py --json $OUT/x.json` there")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ class Sim:
         self.s, self.dev = s, torch.device(device)
         self.g = torch.Generator(device="cpu").manual_seed(seed)
         # Host K/V per layer: [blocks, page, heads, 2D] token-major storage
-        # (BLNHC) seen as [blocks, heads, page, 2D], as 0200 binds it.
+        # (BLNHC) seen as [blocks, heads, page, 2D], as 0220 binds it.
         torch.manual_seed(seed)  # device-side garbage (arena overwrites)
         self.kv = []
         self._host_keep = []

@@ -11,8 +11,9 @@
   interpreter runs programs one after another: races are argued in
   ops/qsa_row_cache.py and tested on the GPU.
 * the hooks in forward_qsa: gate on -> cached path (same output), gate off ->
-  untouched state; > 12 rows -> upstream; a prefill-config batch drops every
-  tag (a staged prefill overwrites the arena).
+  untouched state; > 12 rows and prefill-config batches -> the caller's path;
+  with 0220's arena, a staged prefill and the staging warmup (the arena's
+  writers) drop every tag.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def test_forward_qsa_hook(monkeypatch, gate_on):
     ref = torch.zeros_like(q)
     qsa_sparse_paged_attention(q, k, v, packed, table, tok2req, False, ref,
                                output_gate=gate.contiguous())
-    # stand-in for 0200's arena: [layers, block, heads, 2D]
+    # stand-in for 0220's arena: [layers, block, heads, 2D]
     arena = SimpleNamespace(buffer=torch.zeros(2, BS, H_KV, 2 * D, dtype=torch.bfloat16))
     layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena,
                             layer_name="l0")
@@ -159,9 +160,13 @@ def test_forward_qsa_hook(monkeypatch, gate_on):
         cache.invalidate(0, torch.empty(0, dtype=torch.int64))
         assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref)
         assert int(cache.stats[0, 0]) > 0  # served from VRAM
-        # a prefill-config batch drops every tag of every layer
-        cache.tags[1] = 5
+        # a prefill-config batch takes the caller's path: no cached attention
+        tags = cache.tags.clone()
         _forward(layer, kv_cache, q, gate, table, tok2req, prefill=True)
+        assert torch.equal(cache.tags, tags)
+        # an arena writer drops every tag of every layer
+        cache.tags[1] = 5
+        rc.arena_overwritten(arena)
         assert (cache.tags == -1).all()
 
 
@@ -175,14 +180,16 @@ def test_forward_qsa_large_batch_takes_upstream(monkeypatch):
     arena = SimpleNamespace(buffer=torch.zeros(1, BS, H_KV, 2 * D, dtype=torch.bfloat16))
     layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena)
     assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref)
-    assert (arena.row_cache.tags == -1).all()  # untouched
-    # one layer past the arena's slices: no cache for it
+    assert getattr(arena, "row_cache", None) is None  # the cache never ran
+    # one layer per arena block: a second layer gets no cache
+    cache, idx = rc._cache_of(layer, kv_cache)
+    assert cache is arena.row_cache and idx == 0
     other = SimpleNamespace(topk_indices_buffer=packed[:3], qsa_staging_arena=arena)
     assert rc._cache_of(other, kv_cache) == (None, -1)
 
 
 def test_no_arena_no_cache(monkeypatch):
-    # K/V in VRAM (no 0200 arena): the hooks do nothing
+    # K/V in VRAM (no 0220 arena): the hooks do nothing
     monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
     kv_cache, *_ = _case(4)
     layer = SimpleNamespace()
@@ -203,10 +210,10 @@ def test_run_qsa_invalidates_after_store():
     assert store < inval < attn
 
 
-def test_with_0200_staged_prefill(monkeypatch):
-    """With 0200's arena: decode (cached) -> staged prefill (overwrites the
-    arena) -> decode: every output equals the uncached path. Skips where
-    0200-qsa-kv-offload is not in the series."""
+def test_with_0220_staged_prefill(monkeypatch):
+    """With 0220's arena: decode (cached) -> staged prefill (overwrites the
+    arena) -> decode: every output equals the uncached path; the staging
+    warmup drops the tags too."""
     qhk = pytest.importorskip("vllm.models.qwen4_exp.nvidia.qsa_host_kv")
     monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
     monkeypatch.setenv("VLLM_QSA_KV_OFFLOAD", "1")
@@ -233,3 +240,9 @@ def test_with_0200_staged_prefill(monkeypatch):
     cache.invalidate(0, torch.empty(0, dtype=torch.int64))  # next step's store
     assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref(False))
     assert int((cache.tags >= 0).sum()) == filled
+    qhk.warmup_staging(kv_cache, arena)
+    assert (cache.tags == -1).all()
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "0")  # gate off: the hook does nothing
+    cache.tags[0, 0] = 3
+    qhk.warmup_staging(kv_cache, arena)
+    assert int(cache.tags[0, 0]) == 3
