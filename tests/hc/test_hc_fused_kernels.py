@@ -2,7 +2,7 @@
 
 CPU (TRITON_INTERPRET=1, small shapes): both decode GEMV kernels (1..8
 tokens; default configs and configs that split K over several programs, FMA
-and tl.dot forms), the prefill W8A16 tl.dot GEMM and the routed prefill path,
+and tl.dot forms), and the routed prefill path (> 8 tokens),
 against an fp32 reference of the unfused math (down+inject GEMM -> hc_silu ->
 up GEMM -> hc_gate_mix, weights dequantized in fp32). The interpreter rounds
 fp32 -> bf16 by truncation and computes bf16 tl.dot wrongly (the kernels use
@@ -51,6 +51,18 @@ def _case(m, seed=0, with_inject=True):
     return xn, wd, sd, wu, su
 
 
+def _ulp(t):
+    return 2.0 ** (torch.floor(torch.log2(t.abs().clamp_min(2 ** -20))) - 7)
+
+
+def assert_bf16_match(actual, ref, ulps=2, frac=0.01):
+    """Equal but for rare bf16 rounding flips: the interpreter's fp32 sums
+    run in another order than torch's (seen: 1 of 320 values, 1 ulp)."""
+    err = (actual.float() - ref).abs()
+    assert bool((err <= ulps * _ulp(ref)).all()), float(err.max())
+    assert float((err > 0).float().mean()) <= frac
+
+
 def _counters_clear():
     return int(H.split_k_scratch(torch.device("cpu"))[1].abs().sum()) == 0
 
@@ -66,10 +78,10 @@ def test_decode_mix_matches_unfused_reference(m, with_inject):
         block_input, injection = H.hc_int8_mix(xn, wd, sd, wu, su, RANK, inj, HC,
                                                down_cfg=down_cfg, up_cfg=up_cfg)
         assert block_input.shape == (m, HID) and block_input.dtype == torch.bfloat16
-        torch.testing.assert_close(block_input.float(), ref_bi, rtol=0, atol=0)
+        assert_bf16_match(block_input, ref_bi)
         if with_inject:
             assert injection.shape == (m, INJ)
-            torch.testing.assert_close(injection.float(), ref_inj, rtol=0, atol=0)
+            assert_bf16_match(injection, ref_inj, ulps=1)
         else:
             assert injection is None
         assert _counters_clear()  # the last program re-armed every counter
@@ -84,37 +96,29 @@ def test_down_kernel_silu_and_inject_columns(m):
     z = raw[:, :RANK] / HC
     for cfg, _ in SPLIT_CONFIGS:
         lin = H.hc_down_inject_silu(xn, wd, sd, RANK, RANK + INJ, HC, config=cfg)
-        torch.testing.assert_close(lin[:, :RANK].float(),
-                                   H.round_bf16_trunc(z * torch.sigmoid(z)), rtol=0, atol=0)
-        torch.testing.assert_close(lin[:, RANK:].float(), raw[:, RANK:], rtol=0, atol=0)
+        assert_bf16_match(lin[:, :RANK], H.round_bf16_trunc(z * torch.sigmoid(z)))
+        assert_bf16_match(lin[:, RANK:], raw[:, RANK:], ulps=1)
         # Rows of the silu output stay 16-byte aligned (stride 48 = round_up(44, 16)).
         assert lin.stride(0) % 8 == 0
         assert _counters_clear()
 
 
-def test_prefill_gemm_matches_unfused_reference():
-    """More than 8 tokens: the W8A16 tl.dot GEMM kernels (split K)."""
-    xn, wd, sd, wu, su = _case(20, seed=20)
-    ref_bi, ref_inj = H.reference_mix(xn, wd, sd, wu, su, RANK, INJ, HC,
-                                      rnd=H.round_bf16_trunc)
-    bi, inj = H.hc_int8_mix(xn, wd, sd, wu, su, RANK, INJ, HC)
-    torch.testing.assert_close(bi.float(), ref_bi, rtol=0, atol=0)
-    torch.testing.assert_close(inj.float(), ref_inj, rtol=0, atol=0)
-    assert _counters_clear()
-
-
 def test_prefill_routed_matches_unfused_reference():
-    """More than 8 tokens, routed: dequantized bf16 weights, upstream's op
-    sequence (here its torch stand-ins). The bf16 weight copy and the CPU
-    bf16 matmul round differently from the fp32 reference: close, not equal."""
+    """More than 8 tokens, routed: bf16 weight copies (the interpreter's
+    dequant truncates), upstream's op sequence (here its torch stand-ins,
+    RNE stores), against the reference on the same bf16 weights."""
     xn, wd, sd, wu, su = _case(20, seed=21)
-    ref_bi, ref_inj = H.reference_mix(xn, wd, sd, wu, su, RANK, INJ, HC)
+    wd[RANK + INJ:], sd[RANK + INJ:] = 128, 0  # padding rows as loaded (this path reads them)
+    ref_bi, ref_inj = H.reference_mix(xn, wd, sd, wu, su, RANK, INJ, HC,
+                                      w_rnd=H.round_bf16_trunc)
     bi, lin = H.hc_int8_prefill_mix(xn, wd, sd, wu, su, RANK, INJ, HC)
     assert bi.shape == (20, HID) and lin.shape == (20, H.padded_width(RANK + INJ))
-    torch.testing.assert_close(bi.float(), ref_bi, rtol=2 ** -6, atol=2 ** -6)
-    torch.testing.assert_close(lin[:, RANK:RANK + INJ].float(), ref_inj, rtol=2 ** -6,
-                               atol=2 ** -4)
-    assert bool((lin[:, RANK + INJ:] == 0).all()) or True  # padding rows: see layer test
+    assert_bf16_match(bi, ref_bi, frac=0.03)
+    assert_bf16_match(lin[:, RANK:RANK + INJ], ref_inj, ulps=1, frac=0.03)
+    assert bool((lin[:, RANK + INJ:] == 0).all())  # padding columns
+    # hc_int8_mix takes this path above 8 tokens.
+    bi2, inj2 = H.hc_int8_mix(xn, wd, sd, wu, su, RANK, INJ, HC)
+    assert torch.equal(bi2, bi) and torch.equal(inj2, lin[:, RANK:RANK + INJ])
 
 
 def test_dequant_bf16():
@@ -195,6 +199,7 @@ def _launch_configs():
             cx = dict(N_SILU=R_RANK, N_OUT=n_out, HC=HC, BLOCK_M=bm, BLOCK_N=c["BLOCK_N"],
                       N_PAD=-(-n_out // c["BLOCK_N"]) * c["BLOCK_N"], K_SPLIT=ks,
                       SPLIT_K=R_K // ks, USE_DOT=c["USE_DOT"], DOT_F32=False, launch_pdl=False)
+            assert cx["SPLIT_K"] * bm * cx["N_PAD"] <= H._DECODE_PARTIALS
             add(("down", tuple(sorted(cx.items())), c["num_warps"]),
                 fn=H._hc_down_inject_silu_kernel, signature=DOWN_SIG, aligned=DOWN_ALIGNED,
                 num_warps=c["num_warps"], num_stages=1, constexprs=cx)
@@ -206,24 +211,9 @@ def _launch_configs():
         add(("up", tuple(sorted(cx.items())), c["num_warps"]),
             fn=H._hc_up_gate_mix_kernel, signature=UP_SIG, aligned=UP_ALIGNED,
             num_warps=c["num_warps"], num_stages=1, constexprs=cx)
-    if H.PREFILL_ROUTED:
-        add(("dequant",), fn=H._hc_dequant_kernel, signature=DEQ_SIG,
-            aligned=("w_ptr", "s_ptr", "out_ptr", "stride_w", "stride_out"), num_warps=4,
-            num_stages=1, constexprs=dict(BLOCK_N=H.DEQUANT_BLOCK_N, BLOCK_K=H.DEQUANT_BLOCK_K))
-    else:
-        for n_out in (R_RANK + R_INJ, R_RANK):
-            c = dict(H.down_config(512))
-            nw, ns = c.pop("num_warps"), c.pop("num_stages")
-            add(("gemm-down", n_out), fn=H._hc_down_gemm_kernel, signature=DOWN_SIG,
-                aligned=DOWN_ALIGNED, num_warps=nw, num_stages=ns,
-                constexprs=dict(K=R_K, N_SILU=R_RANK, N_OUT=n_out, HC=HC, DOT_F32=False,
-                                N_PAD=-(-n_out // c["BLOCK_N"]) * c["BLOCK_N"],
-                                launch_pdl=False, **c))
-        c = dict(H.up_config(512))
-        nw, ns = c.pop("num_warps"), c.pop("num_stages")
-        add(("gemm-up",), fn=H._hc_up_gemm_kernel, signature=UP_SIG, aligned=UP_ALIGNED,
-            num_warps=nw, num_stages=ns,
-            constexprs=dict(R=R_RANK, D=R_HID, HC=HC, DOT_F32=False, launch_pdl=False, **c))
+    add(("dequant",), fn=H._hc_dequant_kernel, signature=DEQ_SIG,
+        aligned=("w_ptr", "s_ptr", "out_ptr", "stride_w", "stride_out"), num_warps=4,
+        num_stages=1, constexprs=dict(BLOCK_N=H.DEQUANT_BLOCK_N, BLOCK_K=H.DEQUANT_BLOCK_K))
     return jobs
 
 
