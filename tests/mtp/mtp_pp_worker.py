@@ -118,7 +118,10 @@ def _cfg(vllm_cfg, qc, torch):
     model_config = types.SimpleNamespace(
         hf_text_config=text, hf_config=text, dtype=torch.bfloat16
     )
-    spec = types.SimpleNamespace(draft_model_config=model_config, method="mtp")
+    spec = types.SimpleNamespace(
+        draft_model_config=model_config, method="mtp", moe_backend=None,
+        kv_cache_dtype=None, attention_backend=None,
+    )
     # The real VllmConfig's sub-configs (what layers read from the current
     # config), with the model/speculative/quant parts of the tiny draft.
     import dataclasses
@@ -254,6 +257,35 @@ def _one(mtp, cfg, torch, calls, gate_pp, gate_fit, is_last):
         out["logits_unreplaced"] = "RuntimeError" if "not replaced" in str(e) else str(e)
     except Exception as e:  # noqa: BLE001
         out["logits_unreplaced"] = type(e).__name__
+
+    # (5) the real load_eagle_model on the built draft (get_model returns it):
+    # the target's lm_head replaces the draft's (placeholder or copy); the
+    # embed is shared only at PP=1. The target as on this rank with 0600:
+    # lm_head here, embed_tokens only if this is also the first rank.
+    from vllm.distributed import get_pp_group
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+    )
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
+
+    target = torch.nn.Module()
+    target.model = torch.nn.Module()
+    target.model.embed_tokens = (
+        VocabParallelEmbedding(VOCAB, HIDDEN) if get_pp_group().is_first_rank
+        else PPMissingLayer()
+    )
+    target.lm_head = ParallelLMHead(VOCAB, HIDDEN, prefix="lm_head")
+    own_embed = m.model.embed_tokens
+    eagle_utils.get_model = lambda **kw: m
+    draft = eagle_utils.load_eagle_model(target, _cfg(cfg, None, torch))
+    out["eagle_lm_head_is_target"] = draft.lm_head is target.lm_head
+    out["eagle_embed"] = (
+        "target" if draft.model.embed_tokens is target.model.embed_tokens
+        else "own" if draft.model.embed_tokens is own_embed else "other"
+    )
+    out["eagle_logits"] = tuple(
+        draft.compute_logits(torch.zeros(2, HIDDEN, dtype=torch.bfloat16)).shape
+    )
     out["is_last"] = is_last
     return out
 

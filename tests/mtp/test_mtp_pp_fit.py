@@ -104,6 +104,11 @@ def test_pp3_last_rank(pp3, pp, fit):
         assert r["lm_head_quant"] == (CT_LIN if pp_on else "UnquantizedEmbeddingMethod")
         assert r["lm_head_loaded"]
     assert r["ckpt_has_lm_head"]
+    # eagle/utils.py load_eagle_model: the target's head in both settings; at
+    # PP>1 the draft keeps its own embed (the target's is on rank 0).
+    assert r["eagle_lm_head_is_target"]
+    assert r["eagle_logits"] == (2, w.VOCAB)
+    assert r["eagle_embed"] == "own"
     # Every draft parameter that exists is loaded, in all settings.
     assert r["loaded_all_params"], r["missing"]
     assert r["embed_equal"]
@@ -134,6 +139,8 @@ def test_pp1(pp1, pp, fit):
     assert r["embed_built_on"] == ["meta"] and r["pools"] == [] and not r["embed_uva_flag"]
     assert r["lm_head"] == ("PPMissingLayer" if fit == "1" else "ParallelLMHead")
     assert r["loaded_all_params"], r["missing"]
+    assert r["eagle_lm_head_is_target"] and r["eagle_embed"] == "target"
+    assert r["eagle_logits"] == (2, w.VOCAB)
 
 
 def test_move_to_pinned_uva_int8_embed(monkeypatch, tmp_path):
