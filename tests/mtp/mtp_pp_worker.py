@@ -173,6 +173,11 @@ def _one(mtp, cfg, torch, calls, gate_pp, gate_fit, is_last):
     out["embed_params"] = sorted(n for n, _ in qm.model.embed_tokens.named_parameters())
     out["lm_head"] = type(qm.lm_head).__name__
     out["lm_head_quant"] = type(getattr(qm.lm_head, "quant_method", None)).__name__
+    out["mixer_quant"] = sorted({
+        type(mod.quant_method).__name__
+        for mod in qm.model.hyper_connection_mixer.modules()
+        if hasattr(mod, "quant_method")
+    })
     # The checkpoint's INT8 embed and lm_head tensors (pack-quantized).
     g = torch.Generator().manual_seed(1)
     int8 = {}

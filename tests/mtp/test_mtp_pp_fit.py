@@ -66,6 +66,8 @@ def test_pp3_last_rank(pp3, pp, fit):
 
     # mtp-01: embed (and the draft's own lm_head) with the INT8 checkpoint
     # config; upstream: unquantized, so weight_packed/weight_scale cannot load.
+    # ... and the draft's final HC mixer, as 0020 does for the target's.
+    assert r["mixer_quant"] == [CT_LIN if pp_on else "UnquantizedLinearMethod"]
     if pp_on:
         assert r["embed_quant"] == CT_EMB
         assert r["embed_params"] == ["weight_packed", "weight_scale", "weight_shape"]
