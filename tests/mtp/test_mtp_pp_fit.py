@@ -202,3 +202,54 @@ def test_gate_reading(monkeypatch):
     assert draft_embed_on_host(3) and not draft_embed_on_host(1)
     monkeypatch.setenv("VLLM_MTP_FIT", "0")
     assert not draft_embed_on_host(3)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_draft_ct_names_remapped(monkeypatch, on):
+    """mtp-01: the checkpoint's compressed-tensors config names MTP modules
+    mtp.layers.0.*; the draft builds mtp.layers.<num_hidden_layers>.*. With the
+    gate the draft config's ignore list and targets (make_mtp_int4.py's INT4
+    g128 expert group is a regex) follow; upstream they miss and the experts
+    take the generic "Linear" group."""
+    import types
+
+    import make_mtp_int4 as tool
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E501
+        CompressedTensorsConfig,
+    )
+    from vllm.models.qwen4_exp.nvidia import mtp
+
+    experts = [f"mtp.layers.0.mlp.experts.{e}.{p}.weight"
+               for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    int4_g32 = {"num_bits": 4, "type": "int", "symmetric": True,
+                "strategy": "group", "group_size": 32}
+    ckpt_cfg = {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": int4_g32}},
+        "ignore": ["lm_head", "mtp.layers.0.self_attn.o_proj"]
+        + [n.removesuffix(".weight") for n in experts]}}
+    qc = CompressedTensorsConfig.from_config(
+        tool.build_config(ckpt_cfg, experts, 128)["quantization_config"])
+    monkeypatch.setenv("VLLM_MTP_PP", "1" if on else "0")
+    monkeypatch.setattr(mtp, "get_draft_quant_config", lambda cfg: qc)
+    monkeypatch.setattr(mtp, "replace",
+                        lambda cfg, **kw: types.SimpleNamespace(**{**vars(cfg), **kw}))
+    cfg = types.SimpleNamespace(speculative_config=types.SimpleNamespace(
+        draft_model_config=object()))
+    draft_qc = mtp._make_draft_vllm_config(cfg, 48).quant_config
+    assert draft_qc is qc
+
+    def scheme(name):
+        d = qc.get_scheme_dict(torch.nn.Linear(1, 1), name)
+        return None if d is None else (d["weights"].num_bits, d["weights"].group_size)
+
+    L = 48
+    if on:
+        for p in ("gate_proj", "up_proj", "down_proj"):  # as get_moe_method asks
+            assert scheme(f"mtp.layers.{L}.mlp.experts.0.{p}") == (4, 128)
+        assert scheme(f"mtp.layers.{L}.self_attn.o_proj") is None  # ignored
+    else:
+        assert scheme(f"mtp.layers.{L}.mlp.experts.0.gate_proj") == (4, 32)
+        assert scheme(f"mtp.layers.{L}.self_attn.o_proj") == (4, 32)
+    assert scheme("model.layers.3.mlp.experts.0.gate_proj") == (4, 32)  # target untouched
+    assert scheme("lm_head") is None
