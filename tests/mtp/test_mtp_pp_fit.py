@@ -16,20 +16,21 @@ ALIGN = 256
 
 
 @pytest.fixture(scope="module")
-def vllm_cfg():
-    # Built (and vllm imported) once here; the forked ranks inherit both, so
-    # a run costs the model builds, not 3 x ~30 s of imports on 2 cores.
-    import vllm.models.qwen4_exp.nvidia.mtp  # noqa: F401
+def ctx():
+    # Ranks forked from a fresh forkserver that has imported vllm once: a rank
+    # then starts in seconds instead of a ~30 s import each on CI's 2 cores.
+    # (Forking pytest itself hangs the ranks in libgomp once an earlier test
+    # has run a threaded CPU matmul.) Preload by installed module name: the
+    # 3.11 forkserver does not apply sys.path before preloading.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm.models.qwen4_exp.nvidia.mtp"])
+    return ctx
 
-    return w.make_vllm_config()
 
-
-def _run(world, vllm_cfg):
-    # fork: nothing in this process has set up a parallel state or CUDA.
-    ctx = mp.get_context("fork")
+def _run(world, ctx):
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=w.run_rank, args=(r, world, port, q, vllm_cfg))
+    procs = [ctx.Process(target=w.run_rank, args=(r, world, port, q))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -38,19 +39,21 @@ def _run(world, vllm_cfg):
     finally:
         for p in procs:
             p.join(timeout=60)
+            if p.is_alive():  # never leave a rank behind
+                p.kill()
     for r, v in res.items():
         assert isinstance(v, dict), f"rank {r} failed:\n{v}"
     return res[world - 1]
 
 
 @pytest.fixture(scope="module")
-def pp3(vllm_cfg):
-    return _run(3, vllm_cfg)
+def pp3(ctx):
+    return _run(3, ctx)
 
 
 @pytest.fixture(scope="module")
-def pp1(vllm_cfg):
-    return _run(1, vllm_cfg)
+def pp1(ctx):
+    return _run(1, ctx)
 
 
 def _aligned(n):
