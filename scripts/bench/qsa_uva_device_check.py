@@ -1,4 +1,4 @@
-"""Device check for issue 5 (0210-pinned-pool, 0200-qsa-kv-offload WIP).
+"""Device check for issue 5 (0210-pinned-pool, 0220-qsa-kv-offload).
 
 Runs from the kit that make_qsa_device_kit.py builds (no vLLM needed):
   python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree-5 --out _device/issue5

@@ -97,8 +97,8 @@ def test_compose_production_flags_exact():
     want = {**{k: norm(v) for k, v in spec_flags.items()}, **EXTRA_FLAGS}
     assert {k: norm(v) for k, v in flags.items()} == want
     env = svc["environment"]
-    # A §10 variable whose patch is not in the series yet (VLLM_QSA_KV_OFFLOAD
-    # until 0200 lands) must be absent: vLLM would only warn about an unknown
+    # A §10 variable whose patch is not in the series (as VLLM_QSA_KV_OFFLOAD
+    # was before 0220 landed) must be absent: vLLM would only warn about an unknown
     # variable and run without the feature. Once the patch is in, it must be set.
     known = _upstream_env_names() | _series_gates()
     want_env = {k: v for k, v in spec_env.items() if not k.startswith("VLLM_") or k in known}

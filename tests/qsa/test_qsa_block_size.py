@@ -1,4 +1,4 @@
-"""0200-qsa-kv-offload: the attention block size vLLM picks under
+"""0220-qsa-kv-offload: the attention block size vLLM picks under
 VLLM_QSA_KV_OFFLOAD=1, from a Qwen4Exp config shaped like the real one:
 12,144 tokens (9,776 with MTP on a 16/17/15 split), no mamba padding; the
 mamba page comes from vLLM's own Qwen4Exp state specs. Gate off: upstream."""

@@ -1,4 +1,4 @@
-"""0200-qsa-kv-offload: QSA attention over host K/V (prefill staging arena)
+"""0220-qsa-kv-offload: QSA attention over host K/V (prefill staging arena)
 equals the in-VRAM path, bit for bit, on small shapes in the Triton
 interpreter; both gate settings through the real forward_qsa."""
 

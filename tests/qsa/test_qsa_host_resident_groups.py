@@ -1,4 +1,4 @@
-"""0200-qsa-kv-offload: host-resident QSA K/V through the real upstream
+"""0220-qsa-kv-offload: host-resident QSA K/V through the real upstream
 grouping and config code (kv_cache_utils) on the specs of a config shaped like
 the real one: the K/V layers share their compressed-key group (same block
 table), take no device bytes (bytes/block 3,207,168), get no device tensor,
@@ -11,7 +11,7 @@ import torch
 
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 if not hasattr(kvi, "HostResidentFullAttentionSpec"):
-    pytest.skip("0200-qsa-kv-offload not applied", allow_module_level=True)
+    pytest.skip("0220-qsa-kv-offload not applied", allow_module_level=True)
 from vllm.v1.core import kv_cache_utils as kvu  # noqa: E402
 
 import kv_capacity as kc  # noqa: E402

@@ -170,7 +170,7 @@ def test_R_agrees_with_upstream_packer(prefix, mtp):
     assert per_rank == lay["bytes_per_block_per_rank"]
 
 
-# ---- the copy inside vllm (0200-qsa-kv-offload) agrees with the tool ----
+# ---- the copy inside vllm (0220-qsa-kv-offload) agrees with the tool ----
 
 def _derivation(text):
     a = text.index("# ---- DERIVATION")

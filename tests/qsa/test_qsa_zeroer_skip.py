@@ -1,4 +1,4 @@
-"""0200-qsa-kv-offload: KVBlockZeroer leaves host-backed (UVA) QSA K/V alone."""
+"""0220-qsa-kv-offload: KVBlockZeroer leaves host-backed (UVA) QSA K/V alone."""
 
 from types import SimpleNamespace
 
