@@ -6,7 +6,7 @@ block size, R (blocks one max-length request uses), how many max-length
 requests fit, the pinned host RAM and the VRAM per PP rank.
 
 Inverse mode: ``--ram-budget-gib G`` prints the largest flag value whose pinned
-host pool fits in G GiB; ``--want 4x262144`` prints the smallest flag value that
+host memory (K/V pool + the streamed ViT blocks + the MTP draft embed) fits in G GiB; ``--want 4x262144`` prints the smallest flag value that
 holds 4 requests of 262,144 tokens.
 
 Nothing is a constant of the model: the mamba page comes from the gated
@@ -338,6 +338,41 @@ def flag_for_requests(layout: dict, num_requests: int) -> int:
 # ---- END DERIVATION ----
 
 
+# Pinned host RAM the other patches take besides the K/V pool (per PP rank).
+# 0610-vit-stream keeps the 27 ViT blocks (0.836 GiB BF16, SPEC s6) in pinned
+# memory on rank 0, one torch pin_memory buffer per block: torch's host
+# allocator rounds each 31.7 MiB block up to 32 MiB.
+VIT_BLOCKS = 27
+VIT_BYTES = int(0.836 * 2**30)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def vit_pinned_bytes() -> int:
+    return VIT_BLOCKS * _next_pow2(cdiv(VIT_BYTES, VIT_BLOCKS))
+
+
+def mtp_embed_pinned_bytes(cfg: dict) -> int:
+    """0640-mtp-fit: at PP>1 the draft's INT8 embed (vocab x hidden, one fp32
+    scale per row) lives in 0210's exact-size pool on the last rank."""
+    vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+    return vocab * hidden + vocab * 4
+
+
+def other_pinned_bytes(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list[int]:
+    """Pinned bytes per rank outside the K/V pool: streamed ViT on rank 0,
+    the MTP draft embed on the last rank (only at PP>1: at PP=1 it shares the
+    target's embed in VRAM)."""
+    per_rank = [0] * pp_size
+    if vit:
+        per_rank[0] += vit_pinned_bytes()
+    if mtp and pp_size > 1:
+        per_rank[-1] += mtp_embed_pinned_bytes(cfg)
+    return per_rank
+
+
 def load_config(path: str | Path) -> dict:
     try:
         return text_config(json.loads(Path(path).read_text()))
@@ -380,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mamba-ssm-cache-dtype", default=None,
                    help="override the config's mamba_ssm_dtype")
     p.add_argument("--mrope", action="store_true", help="multimodal MRoPE positions in the ring")
+    p.add_argument("--no-vit", dest="vit", action="store_false", default=True,
+                   help="text only (VLLM_VIT_STREAM=0 or no images): no pinned ViT blocks on rank 0")
     inv = p.add_mutually_exclusive_group()
     inv.add_argument("--ram-budget-gib", type=float, default=None,
                      help="inverse: pinned host RAM budget (all ranks) -> flag value")
@@ -401,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as e:
         sys.exit(f"kv_capacity: {e} (check --config and the layout flags)")
 
+    other = other_pinned_bytes(cfg, a.pp, mtp=num_spec > 0, vit=a.vit)
     out = {"config": str(a.config), "max_model_len": max_len, "pp": a.pp,
            "num_speculative_tokens": num_spec, "layout": lay}
     flag = a.kv_cache_memory_bytes
@@ -410,11 +448,25 @@ def main(argv: list[str] | None = None) -> int:
                           "kv_cache_memory_bytes_min": flag,
                           "kv_cache_memory_bytes_mb": cdiv(flag, 10**6) * 10**6}
     elif a.ram_budget_gib is not None:
-        flag = flag_for_ram_budget(lay, int(a.ram_budget_gib * 2**30))
+        # The budget is all pinned RAM: the ViT blocks and the MTP embed come first.
+        kv_budget = int(a.ram_budget_gib * 2**30) - sum(other)
+        if kv_budget <= 0:
+            sys.exit(f"kv_capacity: --ram-budget-gib {a.ram_budget_gib} does not cover the "
+                     f"{sum(other) / 2**30:.2f} GiB pinned outside the K/V pool "
+                     "(ViT blocks, MTP embed); raise it or pass --no-vit")
+        flag = flag_for_ram_budget(lay, kv_budget)
+        if flag == 0:
+            need = sum(other) + sum(lay["host_bytes_per_block_per_rank"])
+            sys.exit(f"kv_capacity: --ram-budget-gib {a.ram_budget_gib} holds no K/V block; "
+                     f"one block needs {need / 2**30:.2f} GiB pinned in all")
         out["inverse"] = {"ram_budget_gib": a.ram_budget_gib, "kv_cache_memory_bytes_max": flag}
     if flag is None:
         p.error("give --kv-cache-memory-bytes, or --want / --ram-budget-gib")
     out["capacity"] = capacity(lay, flag, max_len)
+    kv_host = out["capacity"]["pinned_host_bytes_per_rank"]
+    out["pinned_other_bytes_per_rank"] = other
+    out["pinned_total_bytes_per_rank"] = [k + o for k, o in zip(kv_host, other)]
+    out["pinned_total_gib"] = sum(out["pinned_total_bytes_per_rank"]) / 2**30
 
     if a.json:
         print(json.dumps(out, indent=2))
@@ -437,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pinned host RAM   {c['pinned_host_gib']:.1f} GiB "
           f"({c['pinned_per_kv_byte']:.1f} x kv bytes); per rank "
           + ", ".join(f"{b / gib:.2f}" for b in c["pinned_host_bytes_per_rank"]) + " GiB")
+    if any(other):
+        what = ", ".join(w for w, on in (("ViT blocks on rank 0", a.vit),
+                                          ("MTP embed on the last rank", num_spec > 0 and a.pp > 1))
+                         if on)
+        print(f"pinned, other     {sum(other) / gib:.2f} GiB ({what}); all pinned {out['pinned_total_gib']:.1f} GiB, per rank "
+              + ", ".join(f"{b / gib:.2f}" for b in out["pinned_total_bytes_per_rank"]) + " GiB")
     print("VRAM per rank     " + ", ".join(f"{b / 2**20:.0f}" for b in c["vram_bytes_per_rank"])
           + f" MiB (incl. {lay['staging_arena_bytes'] / 2**20:.1f} MiB staging arena)")
     print(f"per block cost    {c['tokens_per_mib_vram']:,.0f} tokens/MiB VRAM, "

@@ -111,6 +111,41 @@ def test_cli_json_and_help():
                                                 capture_output=True, text=True).stdout
 
 
+def test_pinned_outside_the_kv_pool():
+    # 0610: 27 ViT blocks of 31.7 MiB, each one torch pin_memory buffer (-> 32 MiB)
+    assert kc.vit_pinned_bytes() == 27 * 2**25
+    assert kc.vit_pinned_bytes() >= kc.VIT_BYTES
+    # 0640: INT8 draft embed + fp32 row scales, exact size (0210's pool): 0.59 GiB
+    emb = kc.mtp_embed_pinned_bytes(CFG)
+    assert emb == 248_320 * 2_560 + 248_320 * 4 and round(emb / 2**30, 2) == 0.59
+    assert kc.other_pinned_bytes(CFG, 3, mtp=True, vit=True) == [27 * 2**25, 0, emb]
+    assert kc.other_pinned_bytes(CFG, 3, mtp=False, vit=False) == [0, 0, 0]
+    # at PP=1 the draft shares the target's embed: nothing pinned for it
+    assert kc.other_pinned_bytes(CFG, 1, mtp=True, vit=False) == [0]
+
+
+def test_cli_ram_budget_counts_other_pinned():
+    tool = Path(kc.__file__)
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True)
+
+    args = ["--ram-budget-gib", "41.2", "--mtp", "--pp-layer-partition", MTP_SPLIT, "--json"]
+    d = json.loads(run(*args).stdout)
+    bare = json.loads(run(*args, "--no-vit").stdout)
+    total = 41.2 * 2**30
+    assert sum(d["pinned_total_bytes_per_rank"]) <= total
+    # the K/V flag shrinks by what the ViT blocks and the embed take first
+    assert d["inverse"]["kv_cache_memory_bytes_max"] < bare["inverse"]["kv_cache_memory_bytes_max"]
+    mlay = layout(True, mtp=True)
+    assert d["inverse"]["kv_cache_memory_bytes_max"] == kc.flag_for_ram_budget(
+        mlay, int(total) - sum(d["pinned_other_bytes_per_rank"]))
+    low = run("--ram-budget-gib", "0.5")
+    assert low.returncode != 0 and "--no-vit" in low.stderr
+    tiny = run("--ram-budget-gib", "0.2", "--no-vit")  # one block: 0.28 GiB
+    assert tiny.returncode != 0 and "holds no K/V block" in tiny.stderr
+
+
 # ---- cross-check: the same layers through the real upstream packer ----
 
 def _upstream_groups(lay, mtp):
