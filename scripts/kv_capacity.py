@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="override the config's mamba_ssm_dtype")
     p.add_argument("--mrope", action="store_true", help="multimodal MRoPE positions in the ring")
     p.add_argument("--no-vit", dest="vit", action="store_false", default=True,
-                   help="text only (VLLM_VIT_STREAM=0 or no images): no pinned ViT blocks on rank 0")
+                   help="VLLM_VIT_STREAM=0 (ViT resident in VRAM) or a build without the ViT: no pinned ViT blocks on rank 0")
     inv = p.add_mutually_exclusive_group()
     inv.add_argument("--ram-budget-gib", type=float, default=None,
                      help="inverse: pinned host RAM budget (all ranks) -> flag value")
