@@ -3,7 +3,7 @@
 
 Runs on a GPU machine without vLLM, from the kit make_qsa_device_kit.py builds:
 
-  python3 scripts/bench/make_qsa_device_kit.py --tree /work/dev-main --out _device/qsa
+  python3 scripts/bench/make_qsa_device_kit.py --tree /work/dev-main --kit staging --out _device/qsa
   (device) cd _device/qsa && python3 bench_qsa_staging.py --json $OUT/qsa_staging.json
 
 For each case (query rows x context x selection pattern) it runs the QSA
@@ -26,40 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 import pinned_host_pool as php
 import qsa_host_kv as qhk
+from dev_stubs import get_accelerator_view_from_cpu_tensor as uva_view
+from dev_stubs import timed
 from qsa_ops import qsa_sparse_paged_attention
 
 H_KV, GROUP, D = 2, 8, 256
 BS = 12_144
 TOPK = 2048 + 3
-
-
-def uva_view(t: torch.Tensor) -> torch.Tensor:
-    """Device view of a registered host tensor (UVA: same address)."""
-
-    class _CAI:
-        __cuda_array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.nbytes,),
-                                    "typestr": "|u1", "version": 3}
-
-    return torch.as_tensor(_CAI(), device="cuda")
-
-
-def timed(fn, n):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
 
 
 def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena, stats=None):
@@ -129,7 +108,7 @@ def main() -> int:
     ctx_blocks = [int(x) for x in a.ctx_blocks.split(",")]
     nb = max(ctx_blocks) + 1
     res = {"command": "cd _device/qsa && python3 bench_qsa_staging.py " + " ".join(sys.argv[1:]),
-           "kit": "python3 scripts/bench/make_qsa_device_kit.py --tree <patched tree> --out _device/qsa",
+           "kit": "python3 scripts/bench/make_qsa_device_kit.py --tree <patched tree> --kit staging --out _device/qsa",
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "block_size": BS, "kv_heads": H_KV, "head_dim": D, "topk": TOPK, "cases": {}}
     nbytes = nb * BS * H_KV * 2 * D * 2

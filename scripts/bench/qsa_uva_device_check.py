@@ -1,7 +1,7 @@
 """Device check for issue 5 (0210-pinned-pool, 0220-qsa-kv-offload).
 
 Runs from the kit that make_qsa_device_kit.py builds (no vLLM needed):
-  python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree-5 --out _device/issue5
+  python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree-5 --kit staging --out _device/issue5
   (device) cd _device/issue5 && python3 qsa_uva_device_check.py   # JSON to $OUT
 Results: scripts/bench/results/qsa_uva_h200*.json.
 
@@ -25,11 +25,12 @@ import torch
 
 import pinned_host_pool as php
 import qsa_host_kv as qhk
+from dev_stubs import timed
 from qsa_ops import qsa_sparse_paged_attention
 
 OUT = os.environ.get("OUT", ".")
 res = {"command": "cd _device/issue5 && python3 qsa_uva_device_check.py "
-                   "(kit: scripts/bench/make_qsa_device_kit.py --tree <patched tree> --out _device/issue5)",
+                   "(kit: scripts/bench/make_qsa_device_kit.py --tree <patched tree> --kit staging --out _device/issue5)",
        "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
 cudart = torch.cuda.cudart()
 
@@ -139,18 +140,6 @@ def run(kv, q, gate, packed, t2r, prefill):
     out = torch.empty_like(q)
     qsa_sparse_paged_attention(q, k, vv, packed, table, t2r, prefill, out, output_gate=gate)
     return out
-
-
-def timed(fn, n=5):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
 
 
 arena = qhk.QSAStagingArena(4, BS, H_KV, D, "cuda")

@@ -8,7 +8,7 @@ A second run uses 61 lines per layer, so hundreds of programs of one launch
 claim, fill and hit the same lines (the races the interpreter cannot show).
 
 Also runs as a script on a machine without vLLM (device kit:
-scripts/bench/make_qsa_row_cache_kit.py):
+scripts/bench/make_qsa_device_kit.py --kit rowcache):
   python3 test_qsa_row_cache_gpu.py --steps 1000 --json $OUT/rowcache_gpu_check.json
 """
 
