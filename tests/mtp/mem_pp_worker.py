@@ -63,6 +63,23 @@ def run_rank(rank, world, port, gate, q):
         q.put((rank, build_and_load(rank, world, port)))
     except Exception:
         q.put((rank, traceback.format_exc()))
+    finally:
+        _leave_together()
+
+
+def _leave_together():
+    """Rank 0 hosts the TCPStore: a rank that is done early (the first ranks
+    build no draft) must not exit while the others still create their gloo
+    groups through it (CI: 'Connection reset by peer' in new_group)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120), wait_all_ranks=True)
+        except Exception:  # a rank that failed already reported its traceback
+            pass
 
 
 def build_and_load(rank, world, port):
