@@ -135,6 +135,9 @@ def test_bind_host_kv_layers(monkeypatch):
         return torch.zeros(nbytes, dtype=torch.uint8)
 
     monkeypatch.setattr(qhk, "allocate_host_kv_backing", fake_alloc)
+    # bind registers the backing's range; the backing is freed after this test
+    # and its addresses reused, so the registry must not outlive it
+    monkeypatch.setattr(qhk, "_HOST_RANGES", [])
     layers = [SimpleNamespace(num_kv_heads=H_KV, head_dim=D) for _ in range(3)]
     arena = qhk.bind_host_kv_layers(layers, num_blocks=5, block_size=BS, arena_layers=4,
                                     device="cpu", to_device_view=lambda t: t)

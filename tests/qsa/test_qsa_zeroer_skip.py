@@ -22,6 +22,9 @@ def test_zeroer_skips_host_kv(host_flag, monkeypatch):
         "vram.attn": SimpleNamespace(kv_cache=torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)),
         "host.attn": SimpleNamespace(kv_cache=torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)),
     }
+    # the registry is process-global: start from a known one (an earlier test's
+    # freed backing may span these tensors' reused addresses)
+    monkeypatch.setattr(qhk, "_HOST_RANGES", [])
     if host_flag:  # registered host backing, as allocate_host_resident_kv does
         t = ctx["host.attn"].kv_cache
         monkeypatch.setattr(qhk, "_HOST_RANGES", [(t.data_ptr(), t.data_ptr() + t.nbytes)])
