@@ -9,17 +9,9 @@ embedding, the LM head, make_layers, the HC mixer and the loaders are real.
 """
 
 import os
-import socket
-import traceback
 import types
 
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from pp_ranks import report
 
 
 def _tiny_text_config():
@@ -59,27 +51,7 @@ def _describe(model, prefix):
 def run_rank(rank, world, port, gate, q):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["VLLM_PP_MISSING_LAYERS"] = gate
-    try:
-        q.put((rank, build_and_load(rank, world, port)))
-    except Exception:
-        q.put((rank, traceback.format_exc()))
-    finally:
-        _leave_together()
-
-
-def _leave_together():
-    """Rank 0 hosts the TCPStore: a rank that is done early (the first ranks
-    build no draft) must not exit while the others still create their gloo
-    groups through it (CI: 'Connection reset by peer' in new_group)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120), wait_all_ranks=True)
-        except Exception:  # a rank that failed already reported its traceback
-            pass
+    report(rank, q, build_and_load, rank, world, port)
 
 
 def build_and_load(rank, world, port):

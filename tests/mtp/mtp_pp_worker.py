@@ -17,33 +17,15 @@ import tempfile
 import traceback
 import types
 
+from pp_ranks import report
+
 HIDDEN, VOCAB, HC, N_MAIN = 64, 256, 2, 6
 GATES = [("1", "1"), ("1", "0"), ("0", "1"), ("0", "0")]  # (MTP_PP, MTP_FIT)
 
 
 def run_rank(rank, world, port, q, vllm_cfg=None):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        q.put((rank, build_all(rank, world, port, vllm_cfg)))
-    except Exception:
-        q.put((rank, traceback.format_exc()))
-    finally:
-        _leave_together()
-
-
-def _leave_together():
-    """Rank 0 hosts the TCPStore: a rank that is done early (the first ranks
-    build no draft) must not exit while the others still create their gloo
-    groups through it (CI: 'Connection reset by peer' in new_group)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=120), wait_all_ranks=True)
-        except Exception:  # a rank that failed already reported its traceback
-            pass
+    report(rank, q, build_all, rank, world, port, vllm_cfg)
 
 
 def _text_config():

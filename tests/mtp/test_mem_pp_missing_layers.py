@@ -8,29 +8,14 @@ import pytest
 import torch.multiprocessing as mp
 
 import mem_pp_worker as w
+from pp_ranks import run_ranks
 from vllm.models.qwen4_exp.nvidia.pp_missing_layers import pp_keeps
 
 EMB, LM = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def _run(world, gate):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = w.free_port()
-    procs = [
-        ctx.Process(target=w.run_rank, args=(r, world, port, gate, q))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        res = dict(q.get(timeout=240) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    for r, v in res.items():
-        assert isinstance(v, dict), f"rank {r} failed:\n{v}"
-    return res
+    return run_ranks(mp.get_context("spawn"), w.run_rank, world, gate)
 
 
 def _expect(rank, world, gate):

@@ -8,7 +8,7 @@ import torch
 import torch.multiprocessing as mp
 
 import mtp_pp_worker as w
-from mem_pp_worker import free_port
+from pp_ranks import run_ranks
 
 CT_EMB = "CompressedTensorsEmbeddingWNA16Int"
 CT_LIN = "CompressedTensorsLinearMethod"
@@ -28,22 +28,7 @@ def ctx():
 
 
 def _run(world, ctx):
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=w.run_rank, args=(r, world, port, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        res = dict(q.get(timeout=240) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():  # never leave a rank behind
-                p.kill()
-    for r, v in res.items():
-        assert isinstance(v, dict), f"rank {r} failed:\n{v}"
-    return res[world - 1]
+    return run_ranks(ctx, w.run_rank, world)[world - 1]
 
 
 @pytest.fixture(scope="module")
