@@ -138,6 +138,7 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
+    from cuda_graph_timing import graph_us
     import triton
 
     if not torch.cuda.is_available():
@@ -198,29 +199,12 @@ def main() -> None:
 
     def time_graph(fn, xs, reps=None) -> float:
         """us per GatedResidual (graph of len(sets) calls)."""
-        reps = reps or args.reps
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                for w, x in zip(sets, xs):
-                    fn(w, x)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def step():
             for w, x in zip(sets, xs):
                 fn(w, x)
-        for _ in range(3):
-            graph.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        del graph
-        return a.elapsed_time(b) * 1e3 / (reps * len(sets))
+
+        return graph_us(step, len(sets), reps or args.reps, warmup=2)
 
     def time_eager(fn, xs, reps=None) -> float:
         reps = max(5, (reps or args.reps) // 5)

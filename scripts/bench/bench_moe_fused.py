@@ -29,6 +29,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from cuda_graph_timing import graph_us
 
 try:
     from vllm.models.qwen4_exp.nvidia.ops import moe_fused as mf
@@ -109,26 +110,12 @@ def only_down(x, L, routed, act=None, sg=None):
 
 def time_graph(fn, layers, x, routed, replays, extra=None):
     """us per step: one graph with one step per layer, replayed `replays` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+
+    def step():
         for L in layers:
             fn(x, L, routed, **(extra or {}))
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for L in layers:
-            fn(x, L, routed, **(extra or {}))
-    for _ in range(3):
-        g.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0.record()
-    for _ in range(replays):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1000.0 / (replays * len(layers))
+
+    return graph_us(step, len(layers), replays)
 
 
 def main():
