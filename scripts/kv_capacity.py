@@ -361,15 +361,23 @@ def mtp_embed_pinned_bytes(cfg: dict) -> int:
     return vocab * hidden + vocab * 4
 
 
-def other_pinned_bytes(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list[int]:
-    """Pinned bytes per rank outside the K/V pool: streamed ViT on rank 0,
+def other_pinned_items(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list[tuple[str, int, int]]:
+    """(what, rank, bytes) pinned outside the K/V pool: streamed ViT on rank 0,
     the MTP draft embed on the last rank (only at PP>1: at PP=1 it shares the
     target's embed in VRAM)."""
-    per_rank = [0] * pp_size
+    items = []
     if vit:
-        per_rank[0] += vit_pinned_bytes()
+        items.append(("ViT blocks on rank 0", 0, vit_pinned_bytes()))
     if mtp and pp_size > 1:
-        per_rank[-1] += mtp_embed_pinned_bytes(cfg)
+        items.append(("MTP embed on the last rank", pp_size - 1, mtp_embed_pinned_bytes(cfg)))
+    return items
+
+
+def other_pinned_bytes(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list[int]:
+    """Pinned bytes per rank outside the K/V pool (other_pinned_items summed)."""
+    per_rank = [0] * pp_size
+    for _, rank, nbytes in other_pinned_items(cfg, pp_size, mtp=mtp, vit=vit):
+        per_rank[rank] += nbytes
     return per_rank
 
 
@@ -438,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as e:
         sys.exit(f"kv_capacity: {e} (check --config and the layout flags)")
 
+    other_items = other_pinned_items(cfg, a.pp, mtp=num_spec > 0, vit=a.vit)
     other = other_pinned_bytes(cfg, a.pp, mtp=num_spec > 0, vit=a.vit)
     out = {"config": str(a.config), "max_model_len": max_len, "pp": a.pp,
            "num_speculative_tokens": num_spec, "layout": lay}
@@ -490,9 +499,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({c['pinned_per_kv_byte']:.1f} x kv bytes); per rank "
           + ", ".join(f"{b / gib:.2f}" for b in c["pinned_host_bytes_per_rank"]) + " GiB")
     if any(other):
-        what = ", ".join(w for w, on in (("ViT blocks on rank 0", a.vit),
-                                          ("MTP embed on the last rank", num_spec > 0 and a.pp > 1))
-                         if on)
+        what = ", ".join(w for w, _, _ in other_items)
         print(f"pinned, other     {sum(other) / gib:.2f} GiB ({what}); all pinned {out['pinned_total_gib']:.1f} GiB, per rank "
               + ", ".join(f"{b / gib:.2f}" for b in out["pinned_total_bytes_per_rank"]) + " GiB")
     print("VRAM per rank     " + ", ".join(f"{b / 2**20:.0f}" for b in c["vram_bytes_per_rank"])
