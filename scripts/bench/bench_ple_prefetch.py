@@ -13,10 +13,23 @@ madvise, as without CAP_SYS_PTRACE. The hash uses synthetic constants sized
 to the file (numpy, the same code as production); only the I/O pattern
 matters here.
 
+A/B method (the write-up's): each arm reads its own unread token stream
+(a seed per arm and repeat, so no arm gathers pages another arm pulled in),
+the arms alternate order from one repeat to the next (off first, then
+prefetch first, ...), --repeats runs of each; the JSON has every run and the
+median / min / max per arm, and the speedup is median(off) / median(prefetch).
+An earlier version ran "off" first on the same prompt every time: arm order
+alone moved the ratio by about 30 %.
+
 Decode (decode-06): --decode-steps steps of 16 cold random rows (one token)
 each: np.take alone vs GatherWillNeed.advise_rows + np.take, plus the cost
 of advise_rows itself on cached rows (the overhead a warm step pays) and of
 the generic unique/merge path for comparison (0.15 ms in the article).
+--gather-fallback: advise_rows without process_madvise (as without
+CAP_SYS_PTRACE), merged ranges through the table mmap's madvise() vs the old
+per-row ctypes loop, 1 and 4 tokens, pages cached.
+--host-ids: the host hash of one --chunk prefill chunk (0170: replaces the
+kernel + blocking ids D2H per PLE layer for prefill-only steps).
 
     python scripts/bench/bench_ple_prefetch.py --table /data/ple_bench.bin --size-gib 8 \
         --json scripts/bench/results/ple_prefetch.json
@@ -244,6 +257,83 @@ def decode_bench(pp, path, steps: int, seed: int = 7):
     return res
 
 
+def summarize(runs: list[float]) -> dict:
+    return {
+        "runs_s": runs,
+        "median_s": round(float(np.median(runs)), 3),
+        "min_s": round(min(runs), 3),
+        "max_s": round(max(runs), 3),
+    }
+
+
+def prompt_bench(pp, path, n_tokens, consts, chunk, modes, repeats, seed=42):
+    """Every arm on its own unread prompt, arms alternated, ``repeats`` times."""
+    runs = {m: [] for m in modes}
+    detail = {m: [] for m in modes}
+    for r in range(repeats):
+        order = list(modes) if r % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            stream = seed + 1000 * r + modes.index(mode)
+            tokens = np.random.default_rng(stream).integers(0, VOCAB, n_tokens).tolist()
+            res = prompt_arm(pp, path, tokens, consts, chunk, mode)
+            res.update(repeat=r, position=order.index(mode), token_seed=stream)
+            print(f"prompt {mode} (repeat {r + 1}/{repeats}, #{order.index(mode) + 1}): "
+                  f"{res['total_s']} s", file=sys.stderr)
+            runs[mode].append(res["total_s"])
+            detail[mode].append(res)
+    return {m: {**summarize(runs[m]), "runs": detail[m]} for m in modes}
+
+
+def gather_fallback_bench(pp, path, seed=9):
+    """advise_rows on the fallback path, warm pages: the old ctypes loop over
+    every row vs merged ranges through the mmap's own madvise()."""
+    t = Table(path)
+    rng = np.random.default_rng(seed)
+    out = {}
+    try:
+        for tokens in (1, 4):
+            rows = rng.integers(0, t.rows, tokens * HEADS)
+            np.take(t.arr, rows, axis=0)  # warm
+            adv = pp.WillNeedAdvisor()
+            adv.use_fallback = True
+            g = pp.GatherWillNeed(t.address, ROW_BYTES, max_rows=4 * HEADS,
+                                  num_rows=t.rows, advisor=adv, mapping=t.mm)
+            start = (t.address + rows * ROW_BYTES) // 4096 * 4096
+            end = (t.address + rows * ROW_BYTES + ROW_BYTES - 1) // 4096 * 4096 + 4096
+            per_row = np.stack([start, end - start], 1).astype(np.uint64)
+            old, new = [], []
+            for _ in range(2000):
+                t0 = time.perf_counter()
+                adv._madvise_each(per_row)
+                t1 = time.perf_counter()
+                g.advise_rows(rows)
+                t2 = time.perf_counter()
+                old.append((t1 - t0) * 1e6)
+                new.append((t2 - t1) * 1e6)
+            out[f"{tokens}tok"] = {
+                "rows": int(rows.size),
+                "per_row_ctypes_us_p50": round(float(np.median(old)), 1),
+                "merged_mmap_us_p50": round(float(np.median(new)), 1),
+            }
+            g.mapping = None
+    finally:
+        t.close()
+    return out
+
+
+def host_ids_bench(pp, consts, chunk, seed=11):
+    """0170: host hash of one prefill chunk of ``chunk`` tokens (one layer)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, chunk + 2).tolist()
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        pp.request_row_ids(tokens, 2, chunk + 2, consts)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return {"chunk_tokens": chunk, "us_p50": round(float(np.median(times)), 1),
+            "us_p90": round(float(np.percentile(times, 90)), 1)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,6 +347,12 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=300)
     ap.add_argument("--fallback", action="store_true",
                     help="also run the prefetch forced onto per-range madvise")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each prompt arm, order alternated (default 3)")
+    ap.add_argument("--gather-fallback", action="store_true",
+                    help="time advise_rows on the per-range madvise fallback")
+    ap.add_argument("--host-ids", action="store_true",
+                    help="time the host hash of one prefill chunk (0170)")
     ap.add_argument("--skip-prompt", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the table file afterwards")
@@ -265,6 +361,8 @@ def main(argv=None) -> int:
                     help="write results as JSON to PATH (stdout without PATH)")
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
 
     pp = load_ple_prefetch(a.module)
     size = int(a.size_gib * (1 << 30)) // ROW_BYTES * ROW_BYTES
@@ -280,16 +378,20 @@ def main(argv=None) -> int:
         "tokens": a.tokens,
         "chunk": a.chunk,
     }
-    tokens = np.random.default_rng(42).integers(0, VOCAB, a.tokens).tolist()
     consts = synthetic_consts(pp, size // ROW_BYTES)
     try:
         if not a.skip_prompt:
-            arms = {}
-            for mode in ("off", "prefetch") + (("fallback",) if a.fallback else ()):
-                arms[mode] = prompt_arm(pp, a.table, tokens, consts, a.chunk, mode)
-                print(f"prompt {mode}: {arms[mode]}", file=sys.stderr)
+            modes = ["off", "prefetch"] + (["fallback"] if a.fallback else [])
+            arms = prompt_bench(pp, a.table, a.tokens, consts, a.chunk, modes, a.repeats)
             res["prompt"] = arms
-            res["prompt_speedup"] = round(arms["off"]["total_s"] / arms["prefetch"]["total_s"], 2)
+            res["repeats"] = a.repeats
+            res["prompt_speedup"] = round(
+                arms["off"]["median_s"] / arms["prefetch"]["median_s"], 2
+            )
+        if a.gather_fallback:
+            res["gather_fallback"] = gather_fallback_bench(pp, a.table)
+        if a.host_ids:
+            res["host_ids"] = host_ids_bench(pp, consts, a.chunk)
         if not a.skip_decode:
             res["decode"] = decode_bench(pp, a.table, a.decode_steps)
             d = res["decode"]
@@ -301,11 +403,27 @@ def main(argv=None) -> int:
     summary = []
     if "prompt" in res:
         p = res["prompt"]
+        def span(arm):
+            q = p[arm]
+            return f"{q['median_s']} s (min {q['min_s']}, max {q['max_s']})"
+
         summary.append(
-            f"cold {a.tokens}-token prompt gather: off {p['off']['total_s']} s, prefetch "
-            f"{p['prefetch']['total_s']} s ({res['prompt_speedup']}x)"
-            + (f", per-range fallback {p['fallback']['total_s']} s" if "fallback" in p else "")
+            f"cold {a.tokens}-token prompt gather, median of {a.repeats} alternated runs on "
+            f"unread prompts: off {span('off')}, prefetch {span('prefetch')} "
+            f"({res['prompt_speedup']}x)"
+            + (f", per-range fallback {span('fallback')}" if "fallback" in p else "")
         )
+    if "gather_fallback" in res:
+        g = res["gather_fallback"]
+        summary.append(
+            "fallback advise_rows (warm): "
+            + ", ".join(f"{k} {v['per_row_ctypes_us_p50']} -> {v['merged_mmap_us_p50']} us"
+                        for k, v in g.items())
+        )
+    if "host_ids" in res:
+        h = res["host_ids"]
+        summary.append(f"host hash of a {h['chunk_tokens']}-token chunk: p50 {h['us_p50']} us "
+                       f"per PLE layer")
     if "decode" in res:
         d = res["decode"]
         summary.append(

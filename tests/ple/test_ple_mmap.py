@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import make_ple_table
 import pytest
+import numpy as np
 import torch
 from ple_fixtures import TEXT_CONFIG, table_shards, write_checkpoint
 
@@ -194,6 +195,12 @@ def test_model_state_stages_rows_for_forward(table, monkeypatch):
         idx_mapping=torch.tensor([0, 5], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
         input_ids=input_ids,
+        # host fields of a real InputBatch (decode rows: the kernel path)
+        req_ids=["a", "b"], is_prefilling_np=np.array([False, False]),
+        query_start_loc_np=np.array([0, 3, 4], dtype=np.int32),
+        num_computed_tokens_np=np.array([9, 4], dtype=np.int32),
+        prefill_len_np=np.array([9, 4], dtype=np.int32),
+        num_tokens_after_padding=5,
     )
     inputs = state.prepare_inputs(batch, req_states)
     qsl, ctx = inputs["query_start_loc"], inputs["ngram_context"]
