@@ -7,12 +7,14 @@ low rank 320), at 1, 2, 4, 8 tokens and at a 512-token prefill:
   unfused  upstream 0.30.0 path: hc_combine_norm, merged down+inject GEMM
            (cuBLAS, bf16 weights [336,10240]), hc_silu, up GEMM (cuBLAS,
            [10240,320]), hc_gate_mix: 5 launches (upstream Triton glue
-           kernels). On the 3090 the INT8 build runs Marlin W8A16 GEMMs
-           instead; Marlin needs vLLM's CUDA extension, absent on the GPU
-           machine, so bf16 cuBLAS (twice the weight bytes) stands in.
+           kernels). On the 3090 (sm_86) upstream runs these INT8 linears
+           with AllSpark W8A16 GEMMs (Machete on sm_90, Marlin elsewhere);
+           those need vLLM's CUDA extension, absent on the GPU machine, so
+           bf16 cuBLAS (twice the weight bytes) stands in.
   fused    hc_combine_norm + _hc_down_inject_silu_kernel + _hc_up_gate_mix_kernel
            reading the INT8 weight_packed bytes directly: 3 launches.
-  routed   (prefill, what the patch runs above 8 tokens) hc_combine_norm + the
+  routed   (prefill, what the patch ran above 8 tokens before its W8A16
+           GEMMs: bench_hc_prefill.py compares the two) hc_combine_norm + the
            unfused sequence on transient bf16 copies of the INT8 weights
            (dequant kernel + cuBLAS + upstream glue).
 
@@ -354,8 +356,8 @@ def main() -> None:
         results["correctness"][str(m)] = {"routed": check(m, fn=routed)}
         print(f"M={m} correctness {results['correctness'][str(m)]}", flush=True)
         save(results, t0)
-        # hc_int8_mix routes > 8 tokens to hc_int8_prefill_mix (the W8A16 tl.dot
-        # GEMM measured 0.43x here was dropped: results/hc_fused_sweep.json).
+        # The dequant route only (the results files of this script predate the
+        # prefill GEMMs; bench_hc_prefill.py times those against it).
         r = alternate({"unfused": unfused, "routed": routed}, xs,
                       lambda fn, xs: time_graph(fn, xs, max(5, args.reps // 5)))
         r["ratio_routed"] = r["unfused"] / r["routed"]
@@ -382,7 +384,7 @@ def save(results: dict, t0: float, done: bool = False) -> None:
         method="CUDA graph of --sets GatedResiduals (distinct weights, > L2), CUDA events "
                "around --reps replays; unfused/fused alternated --rounds times, medians",
         unfused="upstream 0.30.0 bf16 path: hc_combine_norm + cuBLAS merged GEMM + hc_silu + "
-                "cuBLAS up + hc_gate_mix (stand-in for Marlin W8A16, not available here)",
+                "cuBLAS up + hc_gate_mix (stand-in for AllSpark W8A16 on sm_86, not available here)",
         fused="hc_combine_norm + _hc_down_inject_silu_kernel + _hc_up_gate_mix_kernel "
               "(INT8 weight_packed)",
         routed="hc_combine_norm + dequant to bf16 + cuBLAS + hc_silu + dequant + cuBLAS + "

@@ -7,10 +7,16 @@ against an fp32 reference of the unfused math (down+inject GEMM -> hc_silu ->
 up GEMM -> hc_gate_mix, weights dequantized in fp32). The interpreter rounds
 fp32 -> bf16 by truncation and computes bf16 tl.dot wrongly (the kernels use
 an fp32 dot there), so the reference rounds by truncation at the same points:
-equality is then exact (the routed prefill runs a CPU bf16 matmul: close).
+equality is then exact (the old routed prefill, kept as the benchmark's
+baseline, runs a CPU bf16 matmul: close).
+
+CPU too: the prefill W8A16 GEMMs (> 8 tokens; one tile per program and
+split K; with and without inject rows) against the same reference, exact as
+the decode kernels; the prefill configs fit the split-K scratch for every
+size; hc_prefill_variants lists every launch a prefill can hit.
 
 sm_86: every launch config at the real shapes (hidden 2560, 4 streams, low
-rank 320) compiles within 101,376 B of shared memory.
+rank 320), decode and prefill, compiles within 101,376 B of shared memory.
 """
 
 import pytest
@@ -120,9 +126,10 @@ def test_down_kernel_silu_and_inject_columns(m):
 
 
 def test_prefill_routed_matches_unfused_reference():
-    """More than 8 tokens, routed: bf16 weight copies (the interpreter's
-    dequant truncates), upstream's op sequence (here its torch stand-ins,
-    RNE stores), against the reference on the same bf16 weights."""
+    """The previous prefill path (the benchmark's baseline): bf16 weight
+    copies (the interpreter's dequant truncates), upstream's op sequence
+    (here its torch stand-ins, RNE stores), against the reference on the
+    same bf16 weights."""
     xn, wd, sd, wu, su = _case(20, seed=21)
     wd[RANK + INJ:], sd[RANK + INJ:] = 128, 0  # padding rows as loaded (this path reads them)
     ref_bi, ref_inj = H.reference_mix(xn, wd, sd, wu, su, RANK, INJ, HC,
@@ -132,9 +139,92 @@ def test_prefill_routed_matches_unfused_reference():
     assert_routed_close(bi, ref_bi)
     assert_routed_close(lin[:, RANK:RANK + INJ], ref_inj)
     assert bool((lin[:, RANK + INJ:] == 0).all())  # padding columns
-    # hc_int8_mix takes this path above 8 tokens.
-    bi2, inj2 = H.hc_int8_mix(xn, wd, sd, wu, su, RANK, INJ, HC)
-    assert torch.equal(bi2, bi) and torch.equal(inj2, lin[:, RANK:RANK + INJ])
+
+
+# Small-shape prefill configs (K = 256, R = 40): one tile per program and
+# split K (4 programs per tile, the deterministic last-arrival reduction);
+# up tiles with R a multiple of BLOCK_K or not (masked tail).
+PREFILL_CONFIGS = [
+    (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2),
+     dict(BLOCK_M=16, BLOCK_D=16, BLOCK_K=16, num_warps=4, num_stages=2)),
+    (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, num_warps=4, num_stages=2),
+     dict(BLOCK_M=32, BLOCK_D=16, BLOCK_K=32, num_warps=4, num_stages=2)),
+]
+
+
+@pytest.mark.parametrize("m,with_inject,cfg", [
+    (9, True, 0), (9, False, 1), (20, True, 1), (33, True, 0), (33, False, 0)])
+def test_prefill_gemm_matches_unfused_reference(m, with_inject, cfg):
+    """More than 8 tokens: the W8A16 GEMMs read the INT8 bytes (no bf16 weight
+    copy) and round where the unfused path stores bf16, so they match the
+    fp32 reference of the unfused math (weights dequantized in fp32) as the
+    decode kernels do; padding rows (NaN scale) never reach an output."""
+    xn, wd, sd, wu, su = _case(m, seed=200 + m, with_inject=with_inject)
+    assert len(torch.unique(wd[:RANK])) == 256  # every q + 128 goes through _q_bf16
+    inj = INJ if with_inject else 0
+    ref_bi, ref_inj = H.reference_mix(xn, wd, sd, wu, su, RANK, inj, HC,
+                                      rnd=H.round_bf16_trunc)
+    down_cfg, up_cfg = PREFILL_CONFIGS[cfg]
+    block_input, injection = H.hc_int8_mix(xn, wd, sd, wu, su, RANK, inj, HC,
+                                           down_cfg=down_cfg, up_cfg=up_cfg)
+    assert block_input.shape == (m, HID) and block_input.dtype == torch.bfloat16
+    assert_bf16_match(block_input, ref_bi)
+    if with_inject:
+        assert injection.shape == (m, INJ)
+        assert_bf16_match(injection, ref_inj, ulps=1)
+    else:
+        assert injection is None
+    assert _counters_clear()
+
+
+def test_prefill_down_silu_and_inject_columns():
+    """The prefill GEMM's store: silu on the down columns only, inject raw,
+    rows past M untouched (3 M blocks of 16 for 40 tokens)."""
+    m = 40
+    xn, wd, sd, _, _ = _case(m, seed=300)
+    w = (wd[:RANK + INJ].float() - 128) * sd[:RANK + INJ].float()
+    raw = H.round_bf16_trunc(xn.float() @ w.T)
+    z = raw[:, :RANK] / HC
+    for cfg, _ in PREFILL_CONFIGS:
+        lin = H.hc_prefill_down_silu(xn, wd, sd, RANK, RANK + INJ, HC, config=cfg)
+        assert lin.shape == (m, RANK + INJ) and lin.stride(0) % 8 == 0
+        assert_bf16_match(lin[:, :RANK], H.round_bf16_trunc(z * torch.sigmoid(z)))
+        assert_bf16_match(lin[:, RANK:], raw[:, RANK:], ulps=1)
+        assert _counters_clear()
+
+
+def test_prefill_configs_fit_the_scratch():
+    """Every prefill size up to the compose chunk (512) and beyond takes a
+    config whose split-K partials fit the fixed 512 KiB scratch (the wrapper
+    asserts it at run time; the 3090 would fail the first such prefill)."""
+    n_out = R_RANK + R_INJ
+    for m in range(H.GEMV_MAX_TOKENS + 1, 4097):
+        c = H.prefill_down_config(m)
+        assert R_K % (c["SPLIT_K"] * c["BLOCK_K"]) == 0
+        if c["SPLIT_K"] > 1:
+            tiles = -(-n_out // c["BLOCK_N"]) * -(-m // c["BLOCK_M"])
+            assert c["SPLIT_K"] * tiles * c["BLOCK_M"] * c["BLOCK_N"] <= H._DECODE_PARTIALS, m
+            assert tiles <= H._COUNTERS
+        assert R_RANK % H.prefill_up_config(m)["BLOCK_K"] == 0  # unmasked K loop at 320
+
+
+def test_prefill_variants_cover_every_size():
+    """hc_prefill_variants(N) lists each (down, up, num_inject) launch that a
+    prefill of 9..N tokens can hit once, with a token count that selects it;
+    M is not specialized, so those are all the binaries (the warmup patch
+    compiles them with warmup_hc_prefill)."""
+    variants = H.hc_prefill_variants(512)
+    keys = {(str(v["down"]), str(v["up"]), v["num_inject"]) for v in variants}
+    assert len(keys) == len(variants)
+    for m in range(H.GEMV_MAX_TOKENS + 1, 513):
+        for inj in (4, 0):
+            assert (str(H.prefill_down_config(m)), str(H.prefill_up_config(m)), inj) in keys
+    for v in variants:
+        assert H.GEMV_MAX_TOKENS < v["num_tokens"] <= 512
+        assert v["down"] == H.prefill_down_config(v["num_tokens"])
+        assert v["up"] == H.prefill_up_config(v["num_tokens"])
+    assert {str(c) for _, c in H.PREFILL_DOWN_CONFIGS} == {str(v["down"]) for v in variants}
+    assert H.hc_prefill_variants(8) == []
 
 
 def test_dequant_bf16():
@@ -227,6 +317,22 @@ def _launch_configs():
         add(("up", tuple(sorted(cx.items())), c["num_warps"]),
             fn=H._hc_up_gate_mix_kernel, signature=UP_SIG, aligned=UP_ALIGNED,
             num_warps=c["num_warps"], num_stages=1, constexprs=cx)
+    # Prefill: every variant up to the compose chunk (512 tokens); M is not
+    # specialized (do_not_specialize), strides and pointers 16-byte aligned.
+    for v in H.hc_prefill_variants(512):
+        c, n_out = v["down"], R_RANK + v["num_inject"]
+        cx = dict(K=R_K, N_SILU=R_RANK, N_OUT=n_out, HC=HC, BLOCK_M=c["BLOCK_M"],
+                  BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], SPLIT_K=c["SPLIT_K"],
+                  DOT_F32=False)
+        add(("prefill_down", tuple(sorted(cx.items())), c["num_warps"], c["num_stages"]),
+            fn=H._hc_prefill_down_kernel, signature=DOWN_SIG, aligned=DOWN_ALIGNED,
+            num_warps=c["num_warps"], num_stages=c["num_stages"], constexprs=cx)
+        c = v["up"]
+        cx = dict(R=R_RANK, D=R_HID, HC=HC, BLOCK_M=c["BLOCK_M"], BLOCK_D=c["BLOCK_D"],
+                  BLOCK_K=c["BLOCK_K"], DOT_F32=False)
+        add(("prefill_up", tuple(sorted(cx.items())), c["num_warps"], c["num_stages"]),
+            fn=H._hc_prefill_up_kernel, signature=UP_SIG, aligned=UP_ALIGNED,
+            num_warps=c["num_warps"], num_stages=c["num_stages"], constexprs=cx)
     add(("dequant",), fn=H._hc_dequant_kernel, signature=DEQ_SIG,
         aligned=("w_ptr", "s_ptr", "out_ptr", "stride_w", "stride_out"), num_warps=4,
         num_stages=1, constexprs=dict(BLOCK_N=H.DEQUANT_BLOCK_N, BLOCK_K=H.DEQUANT_BLOCK_K))
