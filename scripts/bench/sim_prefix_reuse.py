@@ -19,6 +19,11 @@ result, growing by 1,000-4,000 tokens per turn (uniform, seeded) up to
 exactly what the server saw); a chat template that re-renders history
 differently only lowers reuse.
 
+--conversations N runs N conversations (qwen-code's subagents) at once, turn
+k of each in one round, sharing the first --shared-tokens of the prompt; they
+compete for the compose block count (244; MTP 170), so a conversation's cached
+prefix can be evicted while the others run.
+
 Variants (--variants, default all):
   base           compose.yaml: block 12,144, no MTP, retention interval 0
   mtp            compose/mtp.yaml: block 9,776, MTP 1 token (EAGLE block drop)
@@ -30,6 +35,8 @@ Variants (--variants, default all):
 
   python3 scripts/bench/sim_prefix_reuse.py --json scripts/bench/results/prefix_reuse_sim.json \\
       --png scripts/bench/results/prefix_reuse_sim.png
+  python3 scripts/bench/sim_prefix_reuse.py --variants base,base_pmu --conversations 4 \\
+      --json scripts/bench/results/prefix_reuse_sim_4conv.json --png scripts/bench/results/prefix_reuse_sim_4conv.png
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-tok-s", type=float, default=4400.0,
                     help="warm prefill rate for the TTFT estimate (default 4400, the write-up's figure)")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (compose: 512)")
+    ap.add_argument("--conversations", type=int, default=1,
+                    help="concurrent conversations (qwen-code subagents), turn k of each in one round (default 1)")
+    ap.add_argument("--shared-tokens", type=int, default=6000,
+                    help="prompt tokens all conversations share (system prompt + tools; default 6000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--png", metavar="PATH")
@@ -78,9 +89,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def conversation(args) -> list[tuple[int, int]]:
-    """[(prompt_tokens, output_tokens)] per turn, seeded."""
-    rng = random.Random(f"qwen-code conversation {args.seed}")
+def conversation(args, c: int = 0) -> list[tuple[int, int]]:
+    """[(prompt_tokens, output_tokens)] per turn of conversation c, seeded."""
+    rng = random.Random(f"qwen-code conversation {args.seed}" + (f" {c}" if c else ""))
     gmin, gmax = (int(x) for x in args.growth.split(","))
     omin, omax = (int(x) for x in args.output_tokens.split(","))
     turns, prompt = [], args.start_tokens
@@ -211,58 +222,91 @@ def make_scheduler(variant: str, args):
 
 
 def run_variant(variant: str, args, turns, log=print) -> dict:
+    """Drive the conversations through the scheduler. With --conversations N,
+    N conversations (subagents) share the first --shared-tokens of the prompt
+    and run their turns at the same time, turn k of each in one round."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     sched, hasher, info = make_scheduler(variant, args)
-    rng = random.Random(f"tokens {args.seed}")
-    tokens: list[int] = [rng.randrange(1, 150_000) for _ in range(turns[0][0])]
-    rows, prev_computed, steps = [], 0, 0
+    n_conv = max(1, getattr(args, "conversations", 1))
+    plans = [turns] + [conversation(args, c) for c in range(1, n_conv)]
+    # conversation 0 keeps the single-conversation stream (same numbers as before)
+    rngs = [random.Random(f"tokens {args.seed}")] + [random.Random(f"tokens {args.seed} {c}")
+                                                     for c in range(1, n_conv)]
+    toks = [[rngs[0].randrange(1, 150_000) for _ in range(turns[0][0])]]
+    shared = min(getattr(args, "shared_tokens", 0), turns[0][0])
+    for c in range(1, n_conv):
+        toks.append(toks[0][:shared] + [rngs[c].randrange(1, 150_000) for _ in range(plans[c][0][0] - shared)])
+    rows: list[dict] = []
+    prev_computed = [0] * n_conv
+    steps = 0
     t0 = time.perf_counter()
-    for k, (n_prompt, n_out) in enumerate(turns):
-        while len(tokens) < n_prompt:  # tool result + template tokens appended by the client
-            tokens.append(rng.randrange(1, 150_000))
-        prompt = tokens[:n_prompt]
-        req = Request(f"turn-{k}", list(prompt), SamplingParams(max_tokens=n_out, ignore_eos=True), None,
-                      block_hasher=hasher)
-        sched.add_request(req)
-        cached, prefill_steps = None, 0
-        while not req.is_finished():
+    for k in range(max(len(p) for p in plans)):
+        live = {}
+        for c in range(n_conv):
+            if k >= len(plans[c]):
+                continue
+            n_prompt, n_out = plans[c][k]
+            while len(toks[c]) < n_prompt:  # tool result + template tokens appended by the client
+                toks[c].append(rngs[c].randrange(1, 150_000))
+            req = Request(f"c{c}-turn-{k}", toks[c][:n_prompt],
+                          SamplingParams(max_tokens=n_out, ignore_eos=True), None, block_hasher=hasher)
+            sched.add_request(req)
+            live[req.request_id] = {"c": c, "req": req, "cached": None, "prefill_steps": 0}
+        while not all(v["req"].is_finished() for v in live.values()):
             out = sched.schedule()
             steps += 1
-            n_sched = out.num_scheduled_tokens.get(req.request_id, 0)
-            if cached is None and n_sched:
-                # what the server reports as usage.prompt_tokens_details.cached_tokens
-                cached = req.num_computed_tokens - n_sched
-            if req.num_output_tokens == 0:
-                prefill_steps += 1
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled = [[rng.randrange(1, 150_000)]] if done and req.request_id in out.num_scheduled_tokens else [[]]
+            ids = list(out.num_scheduled_tokens)
+            sampled = []
+            for rid in ids:
+                v = live[rid]
+                req = v["req"]
+                if v["cached"] is None:
+                    # what the server reports as usage.prompt_tokens_details.cached_tokens
+                    v["cached"] = req.num_computed_tokens - out.num_scheduled_tokens[rid]
+                if req.num_output_tokens == 0:
+                    v["prefill_steps"] += 1
+                done = req.num_computed_tokens >= req.num_tokens
+                sampled.append([rngs[v["c"]].randrange(1, 150_000)] if done else [])
             sched.update_from_output(out, ModelRunnerOutput(
-                req_ids=[req.request_id], req_id_to_index={req.request_id: 0}, sampled_token_ids=sampled))
-        output = list(req.output_token_ids)
-        tokens = prompt + output  # the next turn re-sends the conversation as the server saw it
-        new = n_prompt - prev_computed if k else n_prompt
-        reprefill = max(prev_computed - cached, 0) if k else 0
-        prefilled = n_prompt - cached
-        rows.append({"turn": k, "prompt_tokens": n_prompt, "output_tokens": len(output),
-                     "cached_tokens": cached, "prefilled_tokens": prefilled, "new_tokens": new,
-                     "reprefilled_tokens": reprefill, "prefill_steps": prefill_steps,
-                     "ttft_est_s": round(prefilled / args.prefill_tok_s, 3),
-                     "reprefill_s": round(reprefill / args.prefill_tok_s, 3)})
-        prev_computed = n_prompt + len(output) - 1  # the last sampled token was never fed
-        if not args.quiet and (k % 10 == 0 or k == len(turns) - 1):
-            log(f"  {variant:11s} turn {k:3d}: prompt {n_prompt:7,d}  cached {cached:7,d}  "
-                f"re-prefilled {reprefill:6,d}  TTFT~{rows[-1]['ttft_est_s']:.1f} s")
-    rp = [r["reprefilled_tokens"] for r in rows[1:]]
-    summary = {"turns": len(rows), "wall_s": round(time.perf_counter() - t0, 1), "scheduler_steps": steps,
+                req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
+        for v in live.values():
+            c, req, cached = v["c"], v["req"], v["cached"]
+            n_prompt = req.num_prompt_tokens
+            output = list(req.output_token_ids)
+            toks[c] = toks[c][:n_prompt] + output  # the next turn re-sends the conversation as the server saw it
+            new = n_prompt - prev_computed[c] if k else n_prompt
+            reprefill = max(prev_computed[c] - cached, 0) if k else 0
+            prefilled = n_prompt - cached
+            row = {"turn": k, "prompt_tokens": n_prompt, "output_tokens": len(output),
+                   "cached_tokens": cached, "prefilled_tokens": prefilled, "new_tokens": new,
+                   "reprefilled_tokens": reprefill, "prefill_steps": v["prefill_steps"],
+                   "preemptions": req.num_preemptions,
+                   "ttft_est_s": round(prefilled / args.prefill_tok_s, 3),
+                   "reprefill_s": round(reprefill / args.prefill_tok_s, 3)}
+            if n_conv > 1:
+                row["conversation"] = c
+            rows.append(row)
+            prev_computed[c] = n_prompt + len(output) - 1  # the last sampled token was never fed
+            if not args.quiet and c == 0 and (k % 10 == 0 or k == len(turns) - 1):
+                log(f"  {variant:11s} turn {k:3d}: prompt {n_prompt:7,d}  cached {cached:7,d}  "
+                    f"re-prefilled {reprefill:6,d}  TTFT~{row['ttft_est_s']:.1f} s")
+    later = [r for r in rows if r["turn"] > 0]
+    rp = [r["reprefilled_tokens"] for r in later]
+    summary = {"turns": len(rows), "conversations": n_conv, "wall_s": round(time.perf_counter() - t0, 1),
+               "scheduler_steps": steps,
                "reprefilled_mean": round(sum(rp) / max(len(rp), 1), 1), "reprefilled_max": max(rp, default=0),
                "reprefilled_total": sum(rp),
-               "prefilled_total": sum(r["prefilled_tokens"] for r in rows[1:]),
-               "new_total": sum(r["new_tokens"] for r in rows[1:]),
-               "ttft_est_mean_s": round(sum(r["ttft_est_s"] for r in rows[1:]) / max(len(rows) - 1, 1), 2),
-               "reprefill_s_mean": round(sum(rp) / max(len(rp), 1) / args.prefill_tok_s, 2)}
+               "prefilled_total": sum(r["prefilled_tokens"] for r in later),
+               "new_total": sum(r["new_tokens"] for r in later),
+               "ttft_est_mean_s": round(sum(r["ttft_est_s"] for r in later) / max(len(later), 1), 2),
+               "reprefill_s_mean": round(sum(rp) / max(len(rp), 1) / args.prefill_tok_s, 2),
+               "first_turn_cached_mean": round(sum(r["cached_tokens"] for r in rows if r["turn"] == 0) / n_conv, 1),
+               "preemptions": sum(r["preemptions"] for r in rows),
+               # turns whose cache hit is gone: evicted by the other conversations' blocks
+               "turns_with_cache_lost": sum(r["cached_tokens"] == 0 for r in later)}
     return {"variant": variant, "config": info, "summary": summary, "turns": rows}
 
 

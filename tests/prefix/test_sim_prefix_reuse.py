@@ -66,3 +66,14 @@ def test_match_unit_hits_previous_prompt_end(runs):
         assert rows[k]["reprefilled_tokens"] < rows[k - 1]["output_tokens"] + 16
     mean = lambda v: sum(r["reprefilled_tokens"] for r in runs[v]["turns"][1:]) / (TURNS - 1)  # noqa: E731
     assert mean("base_pmu") < mean("base") < mean("mtp")
+
+
+def test_concurrent_conversations():
+    """Two conversations (subagents) in one scheduler: both advance every
+    round, and every hit is still block-granular."""
+    args = sim.parse_args(["--variants", "base", "--max-turns", "3", "--conversations", "2", "--quiet"])
+    res = sim.run_variant("base", args, sim.conversation(args), log=lambda s: None)
+    rows = res["turns"]
+    assert sorted((r["conversation"], r["turn"]) for r in rows) == [(c, k) for c in (0, 1) for k in range(3)]
+    assert all(r["cached_tokens"] % 12_144 == 0 for r in rows)
+    assert res["summary"]["conversations"] == 2
