@@ -85,6 +85,16 @@ class StreamResult:
     finish_reason: str | None = None
     error: str = ""
     t_end: float | None = None
+    # Assembled from the streamed tool_call deltas, OpenAI-style:
+    # [{"id", "type", "function": {"name", "arguments"}}] in index order.
+    tool_calls: list = dataclasses.field(default_factory=list)
+    usage: dict | None = None      # the usage chunk as sent
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens (vLLM sends it with
+        --enable-prompt-tokens-details), else None."""
+        return cached_tokens_of(self.usage)
 
     @property
     def ttft(self) -> float | None:
@@ -240,6 +250,7 @@ class Client:
                 res.error = resp.read(4096).decode("utf-8", errors="replace")
                 return res
             text_parts, reason_parts = [], []
+            calls: dict[int, dict] = {}
             while True:
                 if time.perf_counter() > deadline:
                     res.error = f"deadline of {timeout:.0f} s passed while streaming"
@@ -266,6 +277,7 @@ class Client:
                     return res
                 usage = ev.get("usage")
                 if usage:
+                    res.usage = usage
                     res.completion_tokens = usage.get("completion_tokens", res.completion_tokens)
                     res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
                 got = False
@@ -281,6 +293,7 @@ class Client:
                         got = True
                     if delta.get("tool_calls"):
                         got = True
+                        merge_tool_call_deltas(calls, delta["tool_calls"])
                     if ch.get("finish_reason"):
                         res.finish_reason = ch["finish_reason"]
                 if got:
@@ -289,6 +302,7 @@ class Client:
                     res.chunk_times.append(now)
             res.text = "".join(text_parts)
             res.reasoning = "".join(reason_parts)
+            res.tool_calls = [calls[i] for i in sorted(calls)]
             if not res.ok and not res.error:
                 res.error = "stream ended without [DONE]"
             return res
@@ -298,6 +312,26 @@ class Client:
         finally:
             res.t_end = time.perf_counter()
             conn.close()
+
+
+def merge_tool_call_deltas(calls: dict[int, dict], deltas: list) -> None:
+    """Fold streamed tool_call deltas into calls[index] as an OpenAI client
+    does: id/type/name from the first delta that has them, arguments
+    concatenated."""
+    for d in deltas:
+        c = calls.setdefault(int(d.get("index", len(calls))),
+                             {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        c["id"] = d.get("id") or c["id"]
+        fn = d.get("function") or {}
+        c["function"]["name"] += fn.get("name") or ""
+        c["function"]["arguments"] += fn.get("arguments") or ""
+
+
+def cached_tokens_of(usage: dict | None) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens, or None when absent."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    v = details.get("cached_tokens")
+    return v if isinstance(v, int) else None
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Structured-output stress: json_schema side requests next to streaming main requests.
 
-qwen-code sends, next to its main (streamed) chat request, short side
+Agent clients send, next to their main (streamed) chat request, short side
 requests with `response_format: {"type": "json_schema", ...}` (next-speaker
-check, suggestions). With MTP + PP + async scheduling, upstream vLLM ends
+check, suggestions; qwen-code's OpenAI path forces a respond_in_schema tool
+call with tool_choice "required" instead, which scripts/qwen_code_replay.py
+replays). With MTP + PP + async scheduling, upstream vLLM ends
 such requests with HTTP 500 ("grammar rejected tokens", SPEC §8: 9 of 16
 failed at 2 streams before mtp-03; 45/45 after). This tool reproduces that
 load and counts, over N side requests:

@@ -31,7 +31,7 @@ cap_add: SYS_PTRACE   ulimits: memlock -1
 # What compose adds beyond §10: serving identity and qwen-code's parsers.
 EXTRA_FLAGS = {"--served-model-name": "qwen3.8-flash-next", "--host": "0.0.0.0", "--port": "8000",
                "--enable-auto-tool-choice": None, "--tool-call-parser": "qwen3_coder",
-               "--reasoning-parser": "qwen3"}
+               "--reasoning-parser": "qwen3", "--enable-prompt-tokens-details": None}
 
 
 def parse_spec():
