@@ -490,6 +490,31 @@ def other_pinned_bytes(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list
 
 # -- VRAM: state, scratch and transients --
 
+def cuda_block_bytes(nbytes: int, expandable_segments: bool = True) -> int:
+    """Bytes a torch.empty(nbytes) on the GPU takes from the caching allocator
+    (c10 CUDACachingAllocator): round_size to 512 B.  With
+    expandable_segments (compose's PYTORCH_CUDA_ALLOC_CONF) that is all: the
+    segment grows in 2 MiB pages and the block is split off exactly.  Without
+    it, above 1 MiB a segment of 20 MiB (< 10 MiB) or the size rounded to
+    2 MiB is split only when more than 1 MiB is left over, else the block is
+    the whole segment.  H200 (scripts/bench/results/ledger_h200.json): the
+    29.07 MiB ViT slot takes 30 MiB and the 95.47 MiB MTP arena 96 MiB
+    without expandable segments, their own 512-rounded sizes with them."""
+    if nbytes <= 0:
+        return 0
+    r = cdiv(nbytes, 512) * 512
+    if r <= 1 << 20 or expandable_segments:
+        return r
+    seg = 20 << 20 if r < 10 << 20 else cdiv(r, 2 << 20) * (2 << 20)
+    return r if seg - r > 1 << 20 else seg
+
+
+def row_cache_tensor_bytes(num_layers: int, num_lines: int) -> list[int]:
+    """0250 QSARowCache.__init__: tags, hitmarks, claims (int64 per line),
+    epochs (int64 per layer), stats (2 x int64 per layer)."""
+    return [8 * num_layers * num_lines] * 3 + [8 * num_layers, 16 * num_layers]
+
+
 def row_cache_state_bytes(num_layers: int, num_lines: int) -> int:
     """0250 QSARowCache.__init__: tags, hitmarks, claims (int64 per line),
     epochs (int64 per layer), stats (2 x int64 per layer)."""
@@ -532,7 +557,7 @@ def staging_temporaries_bytes(cfg: dict, rows: int) -> int:
 def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: bool,
            vit_built: bool = True, max_num_batched_tokens: int = 512,
            weights_gib: list[float] | None = None, gpu_total_mib: float = 24576,
-           gpu_memory_utilization: float = 0.97) -> dict:
+           gpu_memory_utilization: float = 0.97, expandable_segments: bool = True) -> dict:
     """Per-rank rows (name, patch, kind, bytes per rank, write-up figure).
     kind: 'pinned' (host), 'vram' (resident), 'transient' (per step or load,
     the worst one counted in the headroom), 'removed' (VRAM upstream would
@@ -540,9 +565,10 @@ def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: boo
     last = pp_size - 1
     rows = []
 
-    def row(name, patch, kind, per_rank, writeup=None, source=""):
+    def row(name, patch, kind, per_rank, writeup=None, source="", requested=None):
         rows.append({"name": name, "patch": patch, "kind": kind,
                      "bytes_per_rank": [int(x) for x in per_rank],
+                     "requested_bytes_per_rank": [int(x) for x in (requested or per_rank)],
                      "writeup": writeup, "source": source})
 
     def only(rank, n):
@@ -565,17 +591,26 @@ def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: boo
     vram_kv = [cap["blocks"] * b for b in lay["bytes_per_block_per_rank"]]
     row("KV pages in VRAM (indexer, GDN, PLE state)", "0220", "vram", vram_kv,
         source="blocks x bytes_per_block_per_rank")
-    row("QSA staging arena", "0220", "vram", [lay["staging_arena_bytes"]] * pp_size,
-        f"~{WRITEUP['staging_arena_mib']} MiB", "max QSA layers x block x 2 KiB (QSAStagingArena)")
+    # Resident VRAM rows: what the caching allocator hands out (cuda_block_bytes);
+    # "requested_bytes_per_rank" keeps the tensors' own sizes.
+    def block(n):  # this ledger's allocator config
+        return cuda_block_bytes(n, expandable_segments)
+
+    row("QSA staging arena", "0220", "vram", [block(lay["staging_arena_bytes"])] * pp_size,
+        f"~{WRITEUP['staging_arena_mib']} MiB", "max QSA layers x block x 2 KiB (QSAStagingArena)",
+        requested=[lay["staging_arena_bytes"]] * pp_size)
     arena_layers = max(lay["qsa_layers_per_rank"])
-    row("QSA row-cache state", "0250", "vram",
-        [row_cache_state_bytes(arena_layers, lay["block_size"])] * pp_size,
-        f"{WRITEUP['row_cache_state_mib']} MiB", "row_cache_state_bytes (QSARowCache)")
-    row("HC split-K scratch", "0400", "vram", [hc_split_k_scratch_bytes()] * pp_size,
-        "528 KiB", "split_k_scratch")
+    rc_tensors = row_cache_tensor_bytes(arena_layers, lay["block_size"])
+    row("QSA row-cache state", "0250", "vram", [sum(map(block, rc_tensors))] * pp_size,
+        f"{WRITEUP['row_cache_state_mib']} MiB", "row_cache_state_bytes (QSARowCache)",
+        requested=[row_cache_state_bytes(arena_layers, lay["block_size"])] * pp_size)
+    row("HC split-K scratch", "0400", "vram",
+        [block(HC_DECODE_PARTIALS * 4) + block(HC_COUNTERS * 4)] * pp_size,
+        "528 KiB", "split_k_scratch", requested=[hc_split_k_scratch_bytes()] * pp_size)
     if vit and vcfg:
-        row("ViT GPU slots", "0610", "vram", only(0, VIT_SLOTS * vit_slot_bytes(vcfg)),
-            f"{WRITEUP['vit_slots_mib']} MiB", "2 x slot_bytes_for")
+        row("ViT GPU slots", "0610", "vram", only(0, VIT_SLOTS * block(vit_slot_bytes(vcfg))),
+            f"{WRITEUP['vit_slots_mib']} MiB", "2 x slot_bytes_for",
+            requested=only(0, VIT_SLOTS * vit_slot_bytes(vcfg)))
 
     row("HC prefill transient", "0400", "transient",
         [hc_prefill_transient_bytes(cfg)] * pp_size, None, "hc_prefill_transient_bytes")
@@ -679,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="weights per PP rank in GiB, e.g. 20.98,20.44,21.05 (the load log's "
                         "'Model loading took'); default: the write-up's figures at PP=3 "
                         "without MTP, else no headroom line")
+    p.add_argument("--no-expandable-segments", dest="expandable", action="store_false",
+                   default=True, help="PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True "
+                   "(compose sets it): large blocks round to 2 MiB segments")
     p.add_argument("--json", action="store_true", help="print JSON")
     a = p.parse_args(argv)
 
@@ -741,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     out["ledger"] = ledger(cfg, lay, out["capacity"], pp_size=a.pp, mtp=num_spec > 0, vit=a.vit,
                            max_num_batched_tokens=a.max_num_batched_tokens,
                            weights_gib=weights, gpu_total_mib=a.gpu_total_mib,
-                           gpu_memory_utilization=a.gpu_memory_utilization)
+                           gpu_memory_utilization=a.gpu_memory_utilization,
+                           expandable_segments=a.expandable)
 
     if a.json:
         print(json.dumps(out, indent=2))

@@ -104,8 +104,23 @@ def test_arena_and_row_cache_state_from_their_classes(mtp):
     led = kc.ledger(CFG, lay, kc.usable_capacity(lay, 783_000_000, 262144), pp_size=3,
                     mtp=mtp, vit=True)
     row = {r["name"]: r for r in led["rows"]}
-    assert row["QSA row-cache state"]["bytes_per_rank"] == [state] * 3
-    assert row["QSA staging arena"]["bytes_per_rank"] == [arena.nbytes] * 3
+    assert row["QSA row-cache state"]["requested_bytes_per_rank"] == [state] * 3
+    assert row["QSA staging arena"]["requested_bytes_per_rank"] == [arena.nbytes] * 3
+    tensors = (rc.tags, rc.hitmarks, rc.claims, rc.epochs, rc.stats)
+    assert row["QSA row-cache state"]["bytes_per_rank"] == [
+        sum(kc.cuda_block_bytes(t.nbytes) for t in tensors)] * 3
+    assert row["QSA staging arena"]["bytes_per_rank"] == [kc.cuda_block_bytes(arena.nbytes)] * 3
+
+
+def test_cuda_block_bytes_matches_the_h200_measurement():
+    """The caching allocator's rounding as measured on the H200 (first run of
+    ledger_device_check.py, default allocator config)."""
+    assert kc.cuda_block_bytes(30_479_104, False) == 30 * 2**20  # ViT slot -> 30 MiB
+    assert kc.cuda_block_bytes(30_479_104) == 30_479_360  # expandable segments: 512 B steps
+    assert kc.cuda_block_bytes(100_106_240, False) == 96 * 2**20  # MTP arena -> 96 MiB
+    assert kc.cuda_block_bytes(99_483_648, False) == 99_483_648  # arena: split, exact
+    assert kc.cuda_block_bytes(388_608) == 388_608            # small pool, 512 B steps
+    assert kc.cuda_block_bytes(32) == 512 and kc.cuda_block_bytes(0) == 0
 
 
 def test_hc_scratch_and_prefill_copy_from_hc_int8():
@@ -180,3 +195,38 @@ def test_table_and_json_carry_the_ledger():
                                 + with_w["worst_transient_bytes_per_rank"][0]) / 2**20)
     table = _cli("--kv-cache-memory-bytes", "783000000").stdout
     assert "ledger (MiB" in table and "headroom" in table and "null block" in table
+
+
+def test_ledger_agrees_with_the_h200_measurement():
+    """scripts/bench/results/ledger_h200.json: every measured pinned/device
+    byte count equals the current ledger's figure for that run's allocator
+    config (the kit's ledger_bytes were computed by the version of the time)."""
+    rec = json.loads((TOOL.parent / "bench/results/ledger_h200.json").read_text())
+    for run in rec["runs"].values():
+        exp = "expandable" in run["PYTORCH_CUDA_ALLOC_CONF"]
+        lay = _layout()
+        cap = kc.usable_capacity(lay, run["kv_cache_memory_bytes"], 262144)
+        rows = {r["name"]: r for r in kc.ledger(CFG, lay, cap, pp_size=3, mtp=False, vit=True,
+                                                 expandable_segments=exp)["rows"]}
+        got = {i["name"]: i for i in run["items"]}
+        if "QSA K/V pool, rank 0 (smaps Rss)" in got:
+            assert got["QSA K/V pool, rank 0 (smaps Rss)"]["measured_bytes"] == \
+                rows["QSA K/V pool"]["bytes_per_rank"][0]
+        assert got["ViT blocks pool (smaps Size)"]["measured_bytes"] == \
+            rows["ViT blocks pool"]["bytes_per_rank"][0]
+        assert got["ViT blocks pool (exact nbytes)"]["measured_bytes"] == kc.vit_pool_bytes(VCFG)
+        assert got["ViT re-pinned copies left in torch's cache"]["measured_bytes"] == 0
+        assert got["ViT GPU slots"]["measured_bytes"] == rows["ViT GPU slots"]["bytes_per_rank"][0]
+        assert got["QSA staging arena"]["measured_bytes"] == \
+            rows["QSA staging arena"]["bytes_per_rank"][0]
+        assert got["QSA row-cache state"]["measured_bytes"] == \
+            rows["QSA row-cache state"]["bytes_per_rank"][0]
+        mlay = _layout(mtp=True)
+        layers = max(mlay["qsa_layers_per_rank"])
+        assert got["QSA staging arena (MTP)"]["measured_bytes"] == kc.cuda_block_bytes(
+            mlay["staging_arena_bytes"], exp)
+        assert got["QSA row-cache state (MTP)"]["measured_bytes"] == sum(
+            kc.cuda_block_bytes(n, exp) for n in kc.row_cache_tensor_bytes(layers, mlay["block_size"]))
+        assert run["vit_streamed_equals_resident"]
+    # before the fix: re-pinned copies + one torch pin_memory buffer per block
+    assert rec["findings"]["vit_before_fix_gib"] == 2.005
