@@ -473,7 +473,7 @@ def other_pinned_items(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list
     the MTP draft embed on the last rank (only at PP>1: at PP=1 it shares the
     target's embed in VRAM)."""
     items = []
-    if vit:
+    if vit and cfg.get("vision_config"):  # a text-only config has no ViT
         items.append(("ViT blocks on rank 0", 0, vit_pinned_bytes(cfg)))
     if mtp and pp_size > 1:
         items.append(("MTP embed on the last rank", pp_size - 1, mtp_embed_pinned_bytes(cfg)))

@@ -230,3 +230,14 @@ def test_ledger_agrees_with_the_h200_measurement():
         assert run["vit_streamed_equals_resident"]
     # before the fix: re-pinned copies + one torch pin_memory buffer per block
     assert rec["findings"]["vit_before_fix_gib"] == 2.005
+
+
+def test_text_only_config_has_no_vit_rows(tmp_path):
+    cfg = json.loads(kc.DEFAULT_CONFIG.read_text())
+    cfg.pop("vision_config")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = _cli("--config", str(path), "--kv-cache-memory-bytes", "783000000", "--json")
+    assert r.returncode == 0, r.stderr
+    names = {row["name"] for row in json.loads(r.stdout)["ledger"]["rows"]}
+    assert not any("ViT" in n for n in names) and "QSA K/V pool" in names
