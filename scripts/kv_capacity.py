@@ -25,6 +25,13 @@ The derivation section below (between the DERIVATION markers) is also carried
 by the qsa-kv-offload patch as vllm/models/qwen4_exp/common/qsa_capacity.py;
 the tests check both give the same results.
 
+Below the derivation, the LEDGER section counts, per PP rank, every byte the
+series allocates beyond upstream (pinned pools, arena, row-cache state, kernel
+scratch, worst per-step transients, weights moved or not built) and the VRAM
+headroom left at the configured utilization; the table and --json print it.
+Concurrency is (blocks - 1) / R: vLLM holds one block back as the null block
+(783 MB -> 244 blocks -> 3.98 requests; the SPEC figures above count all).
+
 Pure Python (stdlib only), so it runs anywhere, without vllm or torch.
 """
 
@@ -338,27 +345,127 @@ def flag_for_requests(layout: dict, num_requests: int) -> int:
 # ---- END DERIVATION ----
 
 
+# ---- LEDGER: every allocation the series makes beyond upstream, per PP rank ----
+#
+# Each figure comes from a size function that mirrors the code (the function
+# it mirrors is named beside it; tests/qsa/test_kv_ledger.py derives the same
+# figures from the patched vllm's own functions/classes), and from the model
+# config.  Where the write-up gives a figure it is printed beside ours.
+
+# vLLM's BlockPool holds block 0 back as the null block (v1/core/block_pool.py:
+# ``self.null_block = self.free_block_queue.popleft()``): of ``blocks`` pages,
+# blocks - 1 hold requests.
+NULL_BLOCKS = 1
+
+# 0210: the pool is an anonymous mmap; the kernel backs it in whole pages.
+HOST_PAGE = 4096
+# 0610 vit_stream._ALIGN: each parameter (and each block's pack) starts on it.
+VIT_ALIGN = 256
+VIT_SLOTS = 2
+# 0640 mtp_fit.ALIGN: parameter offsets inside the draft embed's buffer.
+MTP_ALIGN = 256
+# 0400 ops/hc_int8.py: split-K scratch per device (_DECODE_PARTIALS fp32 +
+# _COUNTERS int32), allocated at load time, before graph capture.
+HC_DECODE_PARTIALS = 128 * 1024
+HC_COUNTERS = 4096
+# 0500 ops/moe_fused.int6_to_planes(rows_per_chunk=256)
+INT6_ROWS_PER_CHUNK = 256
+# The write-up's figures, shown beside ours (never used in a sum).
+WRITEUP = {
+    "vit_gib": 0.836, "vit_slots_mib": 58, "embed_int8_gib": 0.60,
+    "staging_arena_mib": 95, "row_cache_state_mib": 1.1,
+    "weights_gib_pp3": [20.98, 20.44, 21.05],
+    "peak_mib_4x247k": [24022, 24090, 24038], "limit_mib": 24124,
+}
+
+
+def _align(n: int, a: int) -> int:
+    return cdiv(n, a) * a
+
+
+def usable_capacity(layout: dict, kv_cache_memory_bytes: int, max_model_len: int) -> dict:
+    """capacity() with the null block taken out: requests = (blocks - 1) / R.
+    Host and VRAM bytes still count every block (the null block is allocated)."""
+    c = capacity(layout, kv_cache_memory_bytes, max_model_len)
+    usable = max(0, c["blocks"] - NULL_BLOCKS)
+    c["usable_blocks"] = usable
+    c["null_blocks"] = min(NULL_BLOCKS, c["blocks"])
+    c["requests"] = usable / layout["R"]
+    c["tokens"] = int(c["requests"] * max_model_len)
+    return c
+
+
+def flag_for_usable_requests(layout: dict, num_requests: int) -> int:
+    """Smallest --kv-cache-memory-bytes whose blocks, less the null block,
+    hold num_requests max-length requests."""
+    return (num_requests * layout["R"] + NULL_BLOCKS) * layout["page_bytes"]
+
+
+# -- 0610 ViT stream (config: vision_config) --
+
+def vit_block_param_nbytes(vcfg: dict, dtype_bytes: int = 2) -> list[int]:
+    """Bytes of each parameter of one Qwen3_VisionBlock (qwen3_vl.py), in
+    named_parameters order: norm1, norm2 (LayerNorm w+b), attn.qkv, attn.proj,
+    mlp.linear_fc1, mlp.linear_fc2 (weight, bias each)."""
+    d, f = int(vcfg["hidden_size"]), int(vcfg["intermediate_size"])
+    elems = [d, d, d, d, 3 * d * d, 3 * d, d * d, d, f * d, f, d * f, d]
+    return [n * dtype_bytes for n in elems]
+
+
+def vit_pack_bytes(param_nbytes: list[int]) -> int:
+    """vit_stream.pack_offsets: params back to back, each start aligned."""
+    off = 0
+    for n in param_nbytes:
+        off = _align(off + n, VIT_ALIGN)
+    return max(off, 1)
+
+
+def vit_pool_bytes(vcfg: dict) -> int:
+    """vit_stream.packs_layout: all blocks' packs in one exact-size buffer."""
+    return int(vcfg["depth"]) * _align(vit_pack_bytes(vit_block_param_nbytes(vcfg)), VIT_ALIGN)
+
+
+def vit_slot_bytes(vcfg: dict) -> int:
+    """vit_stream.slot_bytes_for: one GPU slot = the largest block pack."""
+    return vit_pack_bytes(vit_block_param_nbytes(vcfg))
+
+
+def vit_total_bytes(vcfg: dict, dtype_bytes: int = 2) -> int:
+    """The whole Qwen3_VisionTransformer: blocks + patch_embed (Conv3d + bias)
+    + pos_embed + merger (+ one postshuffle merger per deepstack index)."""
+    d = int(vcfg["hidden_size"])
+    blocks = int(vcfg["depth"]) * sum(vit_block_param_nbytes(vcfg, 1))
+    patch = int(vcfg["in_channels"]) * int(vcfg["temporal_patch_size"]) * int(vcfg["patch_size"]) ** 2 * d + d
+    pos = int(vcfg["num_position_embeddings"]) * d
+    merged = d * int(vcfg["spatial_merge_size"]) ** 2
+    out = int(vcfg["out_hidden_size"])
+
+    def merger(norm: int) -> int:
+        return 2 * norm + merged * merged + merged + merged * out + out
+
+    extra = len(vcfg.get("deepstack_visual_indexes") or []) * merger(merged)
+    return (blocks + patch + pos + merger(d) + extra) * dtype_bytes
+
+
 # Pinned host RAM the other patches take besides the K/V pool (per PP rank).
-# 0610-vit-stream keeps the 27 ViT blocks (0.836 GiB BF16, SPEC s6) in pinned
-# memory on rank 0, one torch pin_memory buffer per block: torch's host
-# allocator rounds each 31.7 MiB block up to 32 MiB.
-VIT_BLOCKS = 27
-VIT_BYTES = int(0.836 * 2**30)
+
+def vit_pinned_bytes(cfg: dict) -> int:
+    """0610: the ViT blocks' one pool (0210), rounded to whole pages."""
+    return _align(vit_pool_bytes(cfg["vision_config"]), HOST_PAGE)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def vit_pinned_bytes() -> int:
-    return VIT_BLOCKS * _next_pow2(cdiv(VIT_BYTES, VIT_BLOCKS))
+def int8_vocab_bytes(cfg: dict) -> int:
+    """An INT8 V x H table + one fp32 scale per row (0020 embed/lm_head)."""
+    vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+    return vocab * hidden + vocab * 4
 
 
 def mtp_embed_pinned_bytes(cfg: dict) -> int:
     """0640-mtp-fit: at PP>1 the draft's INT8 embed (vocab x hidden, one fp32
-    scale per row) lives in 0210's exact-size pool on the last rank."""
+    scale per row) lives in 0210's exact-size pool on the last rank
+    (mtp_fit.move_to_pinned_uva: each parameter MTP_ALIGN-aligned)."""
     vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
-    return vocab * hidden + vocab * 4
+    return _align(_align(vocab * hidden, MTP_ALIGN) + _align(vocab * 4, MTP_ALIGN), HOST_PAGE)
 
 
 def other_pinned_items(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list[tuple[str, int, int]]:
@@ -366,8 +473,8 @@ def other_pinned_items(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list
     the MTP draft embed on the last rank (only at PP>1: at PP=1 it shares the
     target's embed in VRAM)."""
     items = []
-    if vit:
-        items.append(("ViT blocks on rank 0", 0, vit_pinned_bytes()))
+    if vit and cfg.get("vision_config"):  # a text-only config has no ViT
+        items.append(("ViT blocks on rank 0", 0, vit_pinned_bytes(cfg)))
     if mtp and pp_size > 1:
         items.append(("MTP embed on the last rank", pp_size - 1, mtp_embed_pinned_bytes(cfg)))
     return items
@@ -379,6 +486,173 @@ def other_pinned_bytes(cfg: dict, pp_size: int, *, mtp: bool, vit: bool) -> list
     for _, rank, nbytes in other_pinned_items(cfg, pp_size, mtp=mtp, vit=vit):
         per_rank[rank] += nbytes
     return per_rank
+
+
+# -- VRAM: state, scratch and transients --
+
+def cuda_block_bytes(nbytes: int, expandable_segments: bool = True) -> int:
+    """Bytes a torch.empty(nbytes) on the GPU takes from the caching allocator
+    (c10 CUDACachingAllocator): round_size to 512 B.  With
+    expandable_segments (compose's PYTORCH_CUDA_ALLOC_CONF) that is all: the
+    segment grows in 2 MiB pages and the block is split off exactly.  Without
+    it, above 1 MiB a segment of 20 MiB (< 10 MiB) or the size rounded to
+    2 MiB is split only when more than 1 MiB is left over, else the block is
+    the whole segment.  H200 (scripts/bench/results/ledger_h200.json): the
+    29.07 MiB ViT slot takes 30 MiB and the 95.47 MiB MTP arena 96 MiB
+    without expandable segments, their own 512-rounded sizes with them."""
+    if nbytes <= 0:
+        return 0
+    r = cdiv(nbytes, 512) * 512
+    if r <= 1 << 20 or expandable_segments:
+        return r
+    seg = 20 << 20 if r < 10 << 20 else cdiv(r, 2 << 20) * (2 << 20)
+    return r if seg - r > 1 << 20 else seg
+
+
+def row_cache_tensor_bytes(num_layers: int, num_lines: int) -> list[int]:
+    """0250 QSARowCache.__init__: tags, hitmarks, claims (int64 per line),
+    epochs (int64 per layer), stats (2 x int64 per layer)."""
+    return [8 * num_layers * num_lines] * 3 + [8 * num_layers, 16 * num_layers]
+
+
+def row_cache_state_bytes(num_layers: int, num_lines: int) -> int:
+    """0250 QSARowCache.__init__: tags, hitmarks, claims (int64 per line),
+    epochs (int64 per layer), stats (2 x int64 per layer)."""
+    return 3 * 8 * num_layers * num_lines + 8 * num_layers + 16 * num_layers
+
+
+def hc_split_k_scratch_bytes() -> int:
+    """0400 ops/hc_int8.split_k_scratch: one per device."""
+    return HC_DECODE_PARTIALS * 4 + HC_COUNTERS * 4
+
+
+def hc_prefill_transient_bytes(cfg: dict) -> int:
+    """0400 hc_int8_prefill_mix: the bf16 copies dequant_bf16 makes of the
+    down [padded(lora + hc), hc x H] and up [hc x H, lora] weights (both
+    counted: an upper bound of one layer's step).  hc-prefill removes them:
+    set to 0 or to its size function after that merge."""
+    hc, hidden, lora = int(cfg.get("hc_count", 4)), int(cfg["hidden_size"]), int(cfg["hc_lowrank"])
+    down = _align(lora + hc, 16) * hc * hidden * 2
+    up = hc * hidden * lora * 2
+    return down + up
+
+
+def int6_relayout_transient_bytes(cfg: dict) -> int:
+    """0500 int6_to_planes: one 256-row chunk of int32 temporaries (unpack:
+    bytes, trio, shifted, masked; planes: u, lo, hi, shifted: <= 16 B per
+    weight) at the largest K (hidden_size).  Load time only.  nocompile
+    changes the re-layout: replace by its size function after that merge."""
+    return INT6_ROWS_PER_CHUNK * int(cfg["hidden_size"]) * 16
+
+
+def staging_temporaries_bytes(cfg: dict, rows: int) -> int:
+    """0220 stage_selected_rows for one prefill step of ``rows`` query rows x
+    indexer_budget selected columns: idx, safe_idx, page, physical, slots,
+    selected, inverse (int64), new_idx + block-table gather (int32), valid
+    (bool): 65 B per selected entry, all alive at the unique() call.  qsa
+    changes these temporaries: re-check after that merge."""
+    return rows * int(cfg["indexer_budget"]) * (7 * 8 + 2 * 4 + 1)
+
+
+def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: bool,
+           vit_built: bool = True, max_num_batched_tokens: int = 512,
+           weights_gib: list[float] | None = None, gpu_total_mib: float = 24576,
+           gpu_memory_utilization: float = 0.97, expandable_segments: bool = True) -> dict:
+    """Per-rank rows (name, patch, kind, bytes per rank, write-up figure).
+    kind: 'pinned' (host), 'vram' (resident), 'transient' (per step or load,
+    the worst one counted in the headroom), 'removed' (VRAM upstream would
+    use that the series does not: negative, informational)."""
+    last = pp_size - 1
+    rows = []
+
+    def row(name, patch, kind, per_rank, writeup=None, source="", requested=None):
+        rows.append({"name": name, "patch": patch, "kind": kind,
+                     "bytes_per_rank": [int(x) for x in per_rank],
+                     "requested_bytes_per_rank": [int(x) for x in (requested or per_rank)],
+                     "writeup": writeup, "source": source})
+
+    def only(rank, n):
+        return [n if r == rank else 0 for r in range(pp_size)]
+
+    kv_host = [_align(b, HOST_PAGE) if b else 0 for b in cap["pinned_host_bytes_per_rank"]]
+    row("QSA K/V pool", "0220+0210", "pinned", kv_host,
+        source="blocks x block x 2 KiB x QSA layers of the rank (capacity_layout)")
+    vcfg = cfg.get("vision_config")
+    if vit and vcfg:
+        row("ViT blocks pool", "0610+0210", "pinned", only(0, vit_pinned_bytes(cfg)),
+            f"{WRITEUP['vit_gib']} GiB whole ViT", "vit_pool_bytes (packs_layout)")
+        row("ViT copies re-pinned by device_loading_context", "0610", "pinned",
+            [0] * pp_size, "2.005 GiB left before the fix (H200)",
+            "returned by release_repinned_copies()")
+    if mtp and pp_size > 1:
+        row("MTP draft embed pool", "0640+0210", "pinned", only(last, mtp_embed_pinned_bytes(cfg)),
+            f"{WRITEUP['embed_int8_gib']} GiB", "mtp_embed_pinned_bytes")
+
+    vram_kv = [cap["blocks"] * b for b in lay["bytes_per_block_per_rank"]]
+    row("KV pages in VRAM (indexer, GDN, PLE state)", "0220", "vram", vram_kv,
+        source="blocks x bytes_per_block_per_rank")
+    # Resident VRAM rows: what the caching allocator hands out (cuda_block_bytes);
+    # "requested_bytes_per_rank" keeps the tensors' own sizes.
+    def block(n):  # this ledger's allocator config
+        return cuda_block_bytes(n, expandable_segments)
+
+    row("QSA staging arena", "0220", "vram", [block(lay["staging_arena_bytes"])] * pp_size,
+        f"~{WRITEUP['staging_arena_mib']} MiB", "max QSA layers x block x 2 KiB (QSAStagingArena)",
+        requested=[lay["staging_arena_bytes"]] * pp_size)
+    arena_layers = max(lay["qsa_layers_per_rank"])
+    rc_tensors = row_cache_tensor_bytes(arena_layers, lay["block_size"])
+    row("QSA row-cache state", "0250", "vram", [sum(map(block, rc_tensors))] * pp_size,
+        f"{WRITEUP['row_cache_state_mib']} MiB", "row_cache_state_bytes (QSARowCache)",
+        requested=[row_cache_state_bytes(arena_layers, lay["block_size"])] * pp_size)
+    row("HC split-K scratch", "0400", "vram",
+        [block(HC_DECODE_PARTIALS * 4) + block(HC_COUNTERS * 4)] * pp_size,
+        "528 KiB", "split_k_scratch", requested=[hc_split_k_scratch_bytes()] * pp_size)
+    if vit and vcfg:
+        row("ViT GPU slots", "0610", "vram", only(0, VIT_SLOTS * block(vit_slot_bytes(vcfg))),
+            f"{WRITEUP['vit_slots_mib']} MiB", "2 x slot_bytes_for",
+            requested=only(0, VIT_SLOTS * vit_slot_bytes(vcfg)))
+
+    row("HC prefill transient", "0400", "transient",
+        [hc_prefill_transient_bytes(cfg)] * pp_size, None, "hc_prefill_transient_bytes")
+    row("INT6 re-layout transient", "0500", "transient",
+        [int6_relayout_transient_bytes(cfg)] * pp_size, None, "int6_relayout_transient_bytes (load)")
+    row("QSA staging temporaries", "0220", "transient",
+        [staging_temporaries_bytes(cfg, max_num_batched_tokens)] * pp_size, None,
+        f"staging_temporaries_bytes ({max_num_batched_tokens} rows)")
+
+    emb = int8_vocab_bytes(cfg)
+    row("embed_tokens not built", "0600", "removed",
+        [0 if r == 0 else -emb for r in range(pp_size)], f"{WRITEUP['embed_int8_gib']} GiB")
+    row("lm_head not built", "0600", "removed",
+        [0 if r == last else -emb for r in range(pp_size)], f"{WRITEUP['embed_int8_gib']} GiB")
+    if vcfg and vit_built:
+        whole = vit_total_bytes(vcfg)
+        row("ViT not built", "0600", "removed", [0] + [-whole] * last, f"{WRITEUP['vit_gib']} GiB")
+        if vit:
+            row("ViT blocks moved to host", "0610", "removed",
+                only(0, -int(vcfg["depth"]) * sum(vit_block_param_nbytes(vcfg))))
+    if mtp and pp_size > 1:
+        row("MTP embed moved to host", "0640", "removed", only(last, -emb))
+        row("MTP lm_head not built", "0640", "removed", only(last, -emb))
+
+    def total(kind):
+        return [sum(r["bytes_per_rank"][i] for r in rows if r["kind"] == kind)
+                for i in range(pp_size)]
+
+    out = {"rows": rows, "pinned_bytes_per_rank": total("pinned"),
+           "vram_bytes_per_rank": total("vram"),
+           "worst_transient_bytes_per_rank": [max([r["bytes_per_rank"][i] for r in rows
+                                                   if r["kind"] == "transient"] or [0])
+                                              for i in range(pp_size)],
+           "removed_bytes_per_rank": total("removed"),
+           "gpu_budget_mib": gpu_total_mib * gpu_memory_utilization,
+           "weights_gib_per_rank": weights_gib}
+    if weights_gib:
+        out["headroom_mib_per_rank"] = [
+            out["gpu_budget_mib"] - w * 1024 - (v + t) / 2**20
+            for w, v, t in zip(weights_gib, out["vram_bytes_per_rank"],
+                               out["worst_transient_bytes_per_rank"])]
+    return out
 
 
 def load_config(path: str | Path) -> dict:
@@ -430,6 +704,19 @@ def main(argv: list[str] | None = None) -> int:
                      help="inverse: pinned host RAM budget (all ranks) -> flag value")
     inv.add_argument("--want", type=parse_want, default=None,
                      help="inverse: NxCONTEXT, e.g. 4x262144 -> flag value")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="rows of one prefill step, for the staging temporaries (compose: 512)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.97,
+                   help="the server's value (compose: 0.97): the VRAM budget of the headroom")
+    p.add_argument("--gpu-total-mib", type=float, default=24576,
+                   help="one card's memory (RTX 3090: 24,576 MiB)")
+    p.add_argument("--weights-gib", default=None,
+                   help="weights per PP rank in GiB, e.g. 20.98,20.44,21.05 (the load log's "
+                        "'Model loading took'); default: the write-up's figures at PP=3 "
+                        "without MTP, else no headroom line")
+    p.add_argument("--no-expandable-segments", dest="expandable", action="store_false",
+                   default=True, help="PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True "
+                   "(compose sets it): large blocks round to 2 MiB segments")
     p.add_argument("--json", action="store_true", help="print JSON")
     a = p.parse_args(argv)
 
@@ -452,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
            "num_speculative_tokens": num_spec, "layout": lay}
     flag = a.kv_cache_memory_bytes
     if a.want:
-        flag = flag_for_requests(lay, a.want[0])
+        flag = flag_for_usable_requests(lay, a.want[0])
         out["inverse"] = {"want_requests": a.want[0], "want_context": a.want[1],
                           "kv_cache_memory_bytes_min": flag,
                           "kv_cache_memory_bytes_mb": cdiv(flag, 10**6) * 10**6}
@@ -471,11 +758,29 @@ def main(argv: list[str] | None = None) -> int:
         out["inverse"] = {"ram_budget_gib": a.ram_budget_gib, "kv_cache_memory_bytes_max": flag}
     if flag is None:
         p.error("give --kv-cache-memory-bytes, or --want / --ram-budget-gib")
-    out["capacity"] = capacity(lay, flag, max_len)
+    minimum = flag_for_usable_requests(lay, 1)
+    if flag < minimum:
+        sys.exit(f"kv_capacity: --kv-cache-memory-bytes {flag:,} holds {flag // lay['page_bytes']} "
+                 f"blocks of {lay['page_bytes']:,} B; one {max_len:,}-token request needs "
+                 f"{lay['R']} blocks plus vLLM's null block: at least {minimum:,} B "
+                 f"(--kv-cache-memory-bytes {cdiv(minimum, 10**6) * 10**6})")
+    out["capacity"] = usable_capacity(lay, flag, max_len)
     kv_host = out["capacity"]["pinned_host_bytes_per_rank"]
     out["pinned_other_bytes_per_rank"] = other
     out["pinned_total_bytes_per_rank"] = [k + o for k, o in zip(kv_host, other)]
     out["pinned_total_gib"] = sum(out["pinned_total_bytes_per_rank"]) / 2**30
+    weights = None
+    if a.weights_gib:
+        weights = [float(x) for x in a.weights_gib.split(",")]
+        if len(weights) != a.pp:
+            p.error(f"--weights-gib needs {a.pp} values (one per PP rank)")
+    elif a.pp == 3 and num_spec == 0 and not a.pp_layer_partition:
+        weights = WRITEUP["weights_gib_pp3"]
+    out["ledger"] = ledger(cfg, lay, out["capacity"], pp_size=a.pp, mtp=num_spec > 0, vit=a.vit,
+                           max_num_batched_tokens=a.max_num_batched_tokens,
+                           weights_gib=weights, gpu_total_mib=a.gpu_total_mib,
+                           gpu_memory_utilization=a.gpu_memory_utilization,
+                           expandable_segments=a.expandable)
 
     if a.json:
         print(json.dumps(out, indent=2))
@@ -493,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     if "inverse" in out:
         for k, v in out["inverse"].items():
             print(f"{k:<28}{v:,}" if isinstance(v, int) else f"{k:<28}{v}")
-    print(f"--kv-cache-memory-bytes {c['kv_cache_memory_bytes']:,} -> {c['blocks']} blocks")
+    print(f"--kv-cache-memory-bytes {c['kv_cache_memory_bytes']:,} -> {c['blocks']} blocks "
+          f"({c['usable_blocks']} usable: vLLM holds {c['null_blocks']} back as the null block)")
     print(f"capacity          {c['requests']:.2f} requests x {max_len:,} = {c['tokens']:,} tokens")
     print(f"pinned host RAM   {c['pinned_host_gib']:.1f} GiB "
           f"({c['pinned_per_kv_byte']:.1f} x kv bytes); per rank "
@@ -506,7 +812,35 @@ def main(argv: list[str] | None = None) -> int:
           + f" MiB (incl. {lay['staging_arena_bytes'] / 2**20:.1f} MiB staging arena)")
     print(f"per block cost    {c['tokens_per_mib_vram']:,.0f} tokens/MiB VRAM, "
           f"{c['tokens_per_gib_ram']:,.0f} tokens/GiB pinned RAM")
+    print_ledger(out["ledger"], a.pp)
     return 0
+
+
+def print_ledger(led: dict, pp: int) -> None:
+    mib = 2**20
+    ranks = "".join(f"{f'rank {r}':>11}" for r in range(pp))
+    print(f"\nledger (MiB; beyond upstream)      patch     {ranks}  write-up")
+    for kind, title in (("pinned", "pinned host"), ("vram", "VRAM, resident"),
+                        ("transient", "VRAM, transient (worst counted)"),
+                        ("removed", "VRAM upstream uses, the series does not")):
+        print(f"  {title}")
+        for r in led["rows"]:
+            if r["kind"] == kind:
+                vals = "".join(f"{b / mib:11.2f}" for b in r["bytes_per_rank"])
+                print(f"    {r['name'][:32]:<32} {r['patch']:<9}{vals}  {r['writeup'] or ''}")
+    for key, label in (("pinned_bytes_per_rank", "pinned total"),
+                       ("vram_bytes_per_rank", "VRAM resident total"),
+                       ("worst_transient_bytes_per_rank", "worst transient")):
+        print(f"  {label:<42}" + "".join(f"{b / mib:11.2f}" for b in led[key]))
+    if "headroom_mib_per_rank" in led:
+        print(f"  headroom at {led['gpu_budget_mib']:,.0f} MiB budget, weights "
+              f"{led['weights_gib_per_rank']} GiB:".ljust(44)
+              + "".join(f"{h:11.0f}" for h in led["headroom_mib_per_rank"]))
+        print("    (excludes activations, the CUDA context and CUDA graphs: only a GPU run "
+              "measures those; write-up peaks at 4 x 247k: "
+              f"{WRITEUP['peak_mib_4x247k']} MiB of {WRITEUP['limit_mib']:,})")
+    else:
+        print("  headroom: pass --weights-gib (per rank) to compute it")
 
 
 if __name__ == "__main__":

@@ -106,19 +106,28 @@ def test_cli_json_and_help():
     assert d["layout"]["R"] == 85 and d["capacity"]["blocks"] == 170
     inv = json.loads(subprocess.run([sys.executable, str(tool), "--want", "4x262144", "--json"],
                                     capture_output=True, text=True, check=True).stdout)
-    assert inv["inverse"]["kv_cache_memory_bytes_mb"] == 783_000_000
+    # 4 x 61 blocks + the null block vLLM holds back: 245 pages (783 MB holds
+    # 244: 243 usable, 3.98 requests)
+    assert inv["inverse"]["kv_cache_memory_bytes_min"] == 245 * 3_207_168
+    assert inv["inverse"]["kv_cache_memory_bytes_mb"] == 786_000_000
+    assert inv["capacity"]["usable_blocks"] == 244 and inv["capacity"]["requests"] == 4.0
     assert "--ram-budget-gib" in subprocess.run([sys.executable, str(tool), "--help"],
                                                 capture_output=True, text=True).stdout
 
 
 def test_pinned_outside_the_kv_pool():
-    # 0610: 27 ViT blocks of 31.7 MiB, each one torch pin_memory buffer (-> 32 MiB)
-    assert kc.vit_pinned_bytes() == 27 * 2**25
-    assert kc.vit_pinned_bytes() >= kc.VIT_BYTES
+    # 0610: 27 ViT blocks of 29.07 MiB (the block's bf16 parameters, each
+    # start 256-aligned) in one exact-size pool: 0.766 GiB, not 27 x 32 MiB
+    vit = kc.vit_pinned_bytes(CFG)
+    assert vit == kc._align(27 * kc.vit_slot_bytes(CFG["vision_config"]), 4096)
+    assert round(vit / 2**30, 3) == 0.766 and vit < 27 * 2**25
+    # the whole ViT is the write-up's 0.836 GiB
+    assert round(kc.vit_total_bytes(CFG["vision_config"]) / 2**30, 3) == 0.836
     # 0640: INT8 draft embed + fp32 row scales, exact size (0210's pool): 0.59 GiB
     emb = kc.mtp_embed_pinned_bytes(CFG)
-    assert emb == 248_320 * 2_560 + 248_320 * 4 and round(emb / 2**30, 2) == 0.59
-    assert kc.other_pinned_bytes(CFG, 3, mtp=True, vit=True) == [27 * 2**25, 0, emb]
+    # (the anonymous mmap is backed in whole 4 KiB pages)
+    assert emb == kc._align(248_320 * 2_560 + 248_320 * 4, 4096) and round(emb / 2**30, 2) == 0.59
+    assert kc.other_pinned_bytes(CFG, 3, mtp=True, vit=True) == [vit, 0, emb]
     assert kc.other_pinned_bytes(CFG, 3, mtp=False, vit=False) == [0, 0, 0]
     # at PP=1 the draft shares the target's embed: nothing pinned for it
     assert kc.other_pinned_bytes(CFG, 1, mtp=True, vit=False) == [0]

@@ -135,7 +135,12 @@ def _rank_worker(lock_path, inside, max_inside, use_lock, nbytes):
         with inside.get_lock():
             inside.value += 1
             max_inside.value = max(max_inside.value, inside.value)
-        time.sleep(0.15)  # the window in which another rank could pass the check
+        # The window in which another rank could pass the check: held until a
+        # second rank is inside too (at most 1.5 s), so a slow fork on a busy
+        # host does not hide the overlap the control test looks for.
+        deadline = time.monotonic() + 1.5
+        while inside.value < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         out = real_check(*a, **kw)
         return out
 
@@ -152,13 +157,16 @@ def _rank_worker(lock_path, inside, max_inside, use_lock, nbytes):
 
 
 class _no_lock:
-    def __init__(self, *a):
-        pass
+    """pool_lock without the flock: a private registry file per process."""
+
+    def __init__(self, path):
+        self.fd = os.open(f"{path}.{os.getpid()}", os.O_RDWR | os.O_CREAT, 0o600)
 
     def __enter__(self):
-        return self
+        return self.fd
 
     def __exit__(self, *a):
+        os.close(self.fd)
         return False
 
 
@@ -234,3 +242,66 @@ def test_gate_off_uses_torch_pin_memory(monkeypatch):
     monkeypatch.setenv("VLLM_PINNED_POOL", "0")
     t = php.allocate_pinned_host_buffer(4096 + 3, what="gpu gate off")
     assert t.is_pinned() and t.nbytes == 4096 + 3
+
+
+# ---- the free-RAM check: reserve, the other ranks' total, the rank label ----
+
+def test_ram_check_keeps_a_reserve(tmp_path):
+    info = _meminfo(tmp_path, 10 * 2**20)  # 10 GiB available
+    fits = 10 * 2**30 - php.HOST_RESERVE_BYTES
+    assert php.check_host_ram(fits, what="x", lower_hint="y", meminfo=info) == 10 * 2**30
+    with pytest.raises(php.HostMemoryError, match="left free"):
+        php.check_host_ram(fits + 1, what="x", lower_hint="y", meminfo=info)
+
+
+def test_ram_check_names_the_other_ranks_and_the_total(tmp_path, unlimited_memlock):
+    """A pool pinned by another live process of the host (the registry in the
+    lock file) appears in the next rank's error with the sum of both."""
+    lock = str(tmp_path / "lock")
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+
+    def other_rank():
+        stub = _StubPin()
+        php.allocate_pinned_host_pool(3 * 2**20, what="QSA host K/V (4 layers)",
+                                      rank_label="PP rank 0/3", pin=stub.pin,
+                                      unpin=None, lock_path=lock)
+        ready.set()
+        done.wait(30)
+
+    p = ctx.Process(target=other_rank)
+    p.start()
+    try:
+        assert ready.wait(30)
+        info = _meminfo(tmp_path, 10 * 2**20)
+        with pytest.raises(php.HostMemoryError) as e:
+            php.allocate_pinned_host_pool(9 * 2**30, what="QSA host K/V (5 layers)",
+                                          rank_label="PP rank 2/3",
+                                          pin=lambda t: pytest.fail("pinned"),
+                                          lock_path=lock, meminfo=info)
+        msg = str(e.value)
+        assert "[PP rank 2/3]" in msg and "PP rank 0/3: QSA host K/V (4 layers)" in msg
+        assert f"{9 * 2**30 + 3 * 2**20:,} B) with this pool" in msg
+    finally:
+        done.set()
+        p.join(30)
+    # the other process has exited: its line no longer counts
+    with php.pool_lock(lock) as fd:
+        assert php.read_registry(fd) == []
+
+
+def test_rank_label_and_kv_hint(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "vllm.distributed.parallel_state", raising=False)
+    assert php.rank_label_default() == f"pid {os.getpid()}"
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=783_000_000))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: cfg)
+    hint = php.kv_cache_flag_hint(22 * 2**30)
+    # computed from the sizes, not a fixed 93x
+    assert f"{22 * 2**30 / 783_000_000:.1f} B of host RAM per byte" in hint
+    assert "93" not in hint and "kv_capacity.py" in hint

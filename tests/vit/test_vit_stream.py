@@ -227,3 +227,66 @@ def test_model_glue_both_gates(vc, monkeypatch, gate):
     assert all("forward" in b.__dict__ for b in m.visual.blocks)
     x = torch.randn(13, 1, 4)
     assert torch.equal(m.visual(x), ref(x))
+
+
+def test_one_exact_size_host_buffer(vc):
+    """All packs live in one buffer of exactly packs_layout's bytes (on the
+    GPU path 0210's pool), each block's pack a slice of it at its start."""
+    from vllm.models.qwen4_exp.nvidia import vit_stream as vs
+
+    blocks = _blocks(vc, 3)
+    sizes = [[p.numel() * p.element_size() for p in b.parameters()] for b in blocks]
+    starts, total = vs.packs_layout(sizes)
+    st = vs.ViTBlockStreamer(blocks, torch.device("cpu"))
+    assert st.host_buffer.nbytes == total
+    base = st.host_buffer.data_ptr()
+    for pack, start, sz in zip(st.packs, starts, sizes):
+        assert pack.host.data_ptr() - base == start and start % 256 == 0
+        assert pack.host.numel() == vs.pack_offsets(sz)[1]
+    assert st.slot_bytes == vs.slot_bytes_for(sizes) == max(vs.pack_offsets(s)[1] for s in sizes)
+    # nothing on the CPU path goes through torch's pinned cache
+    assert st.repinned_freed == 0
+
+
+def test_vit_path_says_which_path_runs(monkeypatch):
+    from vllm.models.qwen4_exp.nvidia.vit_stream import vit_path
+
+    limit = {"image": 4, "video": 0}
+    mm = types.SimpleNamespace(get_limit_per_prompt=lambda m: limit[m])
+    cc = types.SimpleNamespace(compile_mm_encoder=False, cudagraph_mm_encoder=False)
+    cfg = types.SimpleNamespace(compilation_config=cc,
+                                model_config=types.SimpleNamespace(get_multimodal_config=lambda: mm))
+    monkeypatch.setenv("VLLM_VIT_STREAM", "1")
+    assert vit_path(cfg) == (True, vit_path(cfg)[1]) and "streamed" in vit_path(cfg)[1]
+    cc.compile_mm_encoder = True
+    on, why = vit_path(cfg)
+    assert not on and "compile_mm_encoder" in why and "no effect" in why
+    cc.compile_mm_encoder = False
+    limit["image"] = 0
+    on, why = vit_path(cfg)
+    assert not on and "not built" in why
+
+
+def test_images_limited_to_zero_builds_nothing_on_the_host(vc, monkeypatch):
+    """limit 0 for every modality: upstream's placeholder wraps a tower built
+    on the meta device; the streaming CPU context must not override that."""
+    from vllm.model_executor.models.utils import StageMissingLayer
+    from vllm.models.qwen4_exp.nvidia import vit_stream as vs
+    from vllm.models.qwen4_exp.nvidia.model import (
+        Qwen4ExpForConditionalGeneration as M)
+
+    monkeypatch.setenv("VLLM_VIT_STREAM", "1")
+    said = []
+    monkeypatch.setattr(vs, "log_vit_path", said.append)
+    m = M.__new__(M)
+    nn.Module.__init__(m)
+    mm = types.SimpleNamespace(get_limit_per_prompt=lambda mod: 0, mm_encoder_only=False)
+    cfg = types.SimpleNamespace(
+        compilation_config=vc.compilation_config,
+        model_config=types.SimpleNamespace(get_multimodal_config=lambda: mm))
+    with m._mark_tower_model(cfg, {"image", "video"}):
+        m.visual = _TinyViT(vc)
+    assert isinstance(m.visual, StageMissingLayer)
+    inner = m.visual.__dict__["module"]
+    assert {p.device.type for p in inner.parameters()} == {"meta"}
+    assert not m._vit_stream and said and "not built" in said[0]
