@@ -178,12 +178,12 @@ def test_stage_rows_refuses_other_layouts():
 
 
 def test_staging_kernels_fit_sm86():
-    # every staging kernel at the production shape (2,050 selection columns,
+    # every staging kernel at the production shape (2,051 selection columns,
     # 12,144-token blocks, 22-page table), specialized as at run time: fresh
     # buffers aligned, the sliced pointers and runtime ints unspecialized
     from sm86 import compile_many, check_fits
 
-    shape = {"TOPK": 2050, "PAGE_SIZE": 12144, "PAGE_TABLE_WIDTH": 22,
+    shape = {"TOPK": 2051, "PAGE_SIZE": 12144, "PAGE_TABLE_WIDTH": 22,
              "BLOCK_N": qhk.STAGE_COLUMN_BLOCK}
     common = {"indices_ptr": "*i32", "block_table_ptr": "*i32", "token_to_req_ptr": "*i32",
               "stride_indices_row": "i32", "stride_table_req": "i32",

@@ -308,8 +308,8 @@ def test_row_cache_state_bytes_production():
 
 def test_variant_keys_one_per_kernel():
     # decode batches of 1..12 rows x 2 KV heads: one config, so each kernel
-    # has one variant (64 splits of 32-column tiles over 2,050 columns)
-    keys = rc.row_cache_variant_keys(2050, 2)
+    # has one variant (64 splits of 32-column tiles over 2,051 columns)
+    keys = rc.row_cache_variant_keys(2051, 2)
     assert {k: len(v) for k, v in keys.items()} == {
         "_qsa_row_cache_invalidate_kernel": 1, "_qsa_row_cache_plan_kernel": 1,
         "_qsa_row_cache_splitk_kernel": 1, "_qsa_merge_splitk_kernel": 1}
