@@ -124,7 +124,8 @@ def main() -> int:
     # the link's ceiling vs the gather, same bytes
     n_rows = 48_576
     slots = torch.randperm(nb * BS, device="cuda", generator=gen)[:n_rows]
-    gather_ms = timed(lambda: qhk.stage_rows(uva_kv, slots, arena.token_rows), a.iters)
+    slots32 = slots.to(torch.int32)  # the gather takes int32 slots
+    gather_ms = timed(lambda: qhk.stage_rows(uva_kv, slots32, arena.token_rows), a.iters)
     torch_ms = timed(lambda: arena.token_rows.copy_(
         uva_kv.transpose(1, 2)[slots // BS, slots % BS]), a.iters)
     src = pool.tensor[: n_rows * 2048]

@@ -58,7 +58,8 @@ KITS = {
         "modules": [("v1/worker/pinned_host_pool.py", "pinned_host_pool.py"),
                     (f"{NV}/qsa_host_kv.py", "qsa_host_kv.py"),
                     (f"{NV}/ops/qsa.py", "qsa_ops.py"),
-                    (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py")],
+                    (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py"),
+                    ("models/qwen4_exp/common/qsa_capacity.py", "qsa_capacity.py")],
         "files": [HERE / "qsa_uva_device_check.py", HERE / "bench_qsa_staging.py"],
         "strict": True,
     },
@@ -95,8 +96,16 @@ def build(tree: Path, kit: str, out: Path) -> list[str]:
     mem_ops = (v / "v1/simple_kv_offload/cuda_mem_ops.py").read_text()
     fn = next(n for n in ast.parse(mem_ops).body
               if isinstance(n, ast.FunctionDef) and n.name == "pin_tensor")
+    # the warmup helpers the kernels' warmup functions take, verbatim
+    helper = (v / "model_executor/warmup/jit_warmup_triton_helper.py").read_text()
+    warm = []
+    for n in ast.parse(helper).body:
+        if getattr(n, "name", None) in ("TritonWarmupTensor", "triton_scalar_specialization_rep"):
+            decorators = "".join(f"@{ast.get_source_segment(helper, d)}\n" for d in n.decorator_list)
+            warm.append(decorators + ast.get_source_segment(helper, n))
     (out / "dev_stubs.py").write_text((HERE / "qsa_device_stubs.py.in").read_text() + "\n\n"
-                                      + ast.get_source_segment(mem_ops, fn) + "\n")
+                                      + ast.get_source_segment(mem_ops, fn) + "\n\n\n"
+                                      + "\n\n\n".join(warm) + "\n")
     for f in spec["files"]:
         shutil.copy(f, out / f.name)
     return sorted(p.name for p in out.iterdir())

@@ -61,7 +61,8 @@ print(json.dumps({"mods": mods, "vllm": sorted(k for k in sys.modules if k.split
 
 
 @pytest.mark.parametrize("kit,want", [
-    ("staging", {"dev_stubs", "pinned_host_pool", "qsa_host_kv", "qsa_ops", "qsa_row_cache"}),
+    ("staging", {"dev_stubs", "pinned_host_pool", "qsa_host_kv", "qsa_ops", "qsa_row_cache",
+                 "qsa_capacity"}),
     ("rowcache", {"dev_stubs", "qsa_ops", "qsa_row_cache", "qsa_row_cache_sim"}),
 ])
 def test_kit_builds_and_imports_without_vllm(kit, want, tmp_path):

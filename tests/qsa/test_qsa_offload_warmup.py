@@ -52,11 +52,24 @@ def test_warmup_covers_arena(monkeypatch, gate_on, host):
     monkeypatch.setattr(qsa_indexer, "warmup_qsa_mqa_paged_decode", lambda *a, **kw: ())
     monkeypatch.setattr(qsa_ops, "warmup_qsa_sparse_paged_attention",
                         lambda view, table, **kw: warmed.append((view.data_ptr(), table)) or ())
+    staged_calls = []
+    real_stage = qhk.stage_selected_rows
+
+    def stage_spy(kv, idx, tbl, t2r, *a, **kw):
+        staged_calls.append((tuple(idx.shape), tuple(tbl.shape)))
+        return real_stage(kv, idx, tbl, t2r, *a, **kw)
+
+    monkeypatch.setattr(qhk, "stage_selected_rows", stage_spy)
     worker, table = _worker(kv_cache)
     w.qwen4_exp_qsa_triton_warmup(worker)
+    if gate_on and host:
+        # the worst case ran at startup: max_num_tokens rows of the full
+        # selection width (+ count) against the runner's table shape, and
+        # filled the whole arena with distinct rows (slots 0 .. 31, in order)
+        assert staged_calls == [((32, 21), (2, 3))]
+        assert torch.equal(arena.token_rows, kv[:2].flatten(0, 1))
+    else:
+        assert staged_calls == []
     want = [kv_cache.data_ptr()] + ([arena.buffer.data_ptr()] if gate_on and host else [])
     assert [p for p, _ in warmed] == want
     assert all(t is table for _, t in warmed)
-    # the gather ran once (token row 0 of the host view into arena row 0)
-    staged = torch.equal(arena.token_rows[0], kv[0, 0])
-    assert staged == (gate_on and host)

@@ -141,8 +141,11 @@ def test_forward_qsa_hook(monkeypatch, gate_on):
     ref = torch.zeros_like(q)
     qsa_sparse_paged_attention(q, k, v, packed, table, tok2req, False, ref,
                                output_gate=gate.contiguous())
-    # stand-in for 0220's arena: [layers, block, heads, 2D]
-    arena = SimpleNamespace(buffer=torch.zeros(2, BS, H_KV, 2 * D, dtype=torch.bfloat16))
+    # stand-in for 0220's arena (token rows), its row cache made at bind
+    # time for the rank's 2 QSA layers only when the gate is on
+    arena = SimpleNamespace(token_rows=torch.zeros(2 * BS, H_KV, 2 * D, dtype=torch.bfloat16))
+    if gate_on:
+        rc.attach(arena, 2)
     layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena,
                             layer_name="l0")
     for step in range(2):
@@ -177,11 +180,12 @@ def test_forward_qsa_large_batch_takes_upstream(monkeypatch):
     ref = torch.zeros_like(q)
     qsa_sparse_paged_attention(q, k, v, packed, table, tok2req, False, ref,
                                output_gate=gate.contiguous())
-    arena = SimpleNamespace(buffer=torch.zeros(1, BS, H_KV, 2 * D, dtype=torch.bfloat16))
+    arena = SimpleNamespace(token_rows=torch.zeros(BS, H_KV, 2 * D, dtype=torch.bfloat16))
+    rc.attach(arena, 1)
     layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena)
     assert torch.equal(_forward(layer, kv_cache, q, gate, table, tok2req), ref)
-    assert getattr(arena, "row_cache", None) is None  # the cache never ran
-    # one layer per arena block: a second layer gets no cache
+    assert (arena.row_cache.tags == -1).all()  # the cache never ran
+    # one QSA layer on the rank: a second layer gets no cache
     cache, idx = rc._cache_of(layer, kv_cache)
     assert cache is arena.row_cache and idx == 0
     other = SimpleNamespace(topk_indices_buffer=packed[:3], qsa_staging_arena=arena)
@@ -218,8 +222,10 @@ def test_with_0220_staged_prefill(monkeypatch):
     monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
     monkeypatch.setenv("VLLM_QSA_KV_OFFLOAD", "1")
     kv_cache, q, gate, packed, table, tok2req = _case(5, rows=4, topk=32)
+    tok2req.zero_()  # one request: its 3 pages (24 rows) fit the arena
     k, v = kv_cache.transpose(1, 2).split(D, dim=-1)
-    arena = qhk.QSAStagingArena(2, BS, H_KV, D, "cpu")
+    arena = qhk.QSAStagingArena(3, BS, H_KV, D, "cpu")
+    rc.attach(arena, 2)  # as bind_host_kv_layers does for 2 QSA layers
     layer = SimpleNamespace(topk_indices_buffer=packed, qsa_staging_arena=arena,
                             layer_name="l0")
 
@@ -246,3 +252,65 @@ def test_with_0220_staged_prefill(monkeypatch):
     cache.tags[0, 0] = 3
     qhk.warmup_staging(kv_cache, arena)
     assert int(cache.tags[0, 0]) == 3
+
+
+@pytest.mark.parametrize("arena_blocks,block,layers,lines", [
+    (4, 48, 4, 48),    # 4 x 12,144: one arena block per layer
+    (5, 40, 4, 50),    # MTP ranks 0/1: 5 x 9,776 rows over 4 layers -> 12,220
+    (5, 40, 5, 40),    # MTP last rank: 5 layers x 9,776
+    (5, 41, 4, 50),    # odd quotient (51.25 -> 51) rounds down to even
+])
+def test_bind_allocates_whole_arena_cache(monkeypatch, arena_blocks, block, layers, lines):
+    # 0220's bind makes the row cache at startup over the whole arena: lines
+    # from the arena's rows / the rank's QSA layers (not the block size), the
+    # state in one allocation of row_cache_state_bytes, every per-layer
+    # slice 16-byte aligned (one kernel variant for every layer)
+    qhk = pytest.importorskip("vllm.models.qwen4_exp.nvidia.qsa_host_kv")
+    from vllm.models.qwen4_exp.common import qsa_capacity as qc
+
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "1")
+    monkeypatch.setattr(qhk, "allocate_host_kv_backing",
+                        lambda n, *, what: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(qhk, "_HOST_RANGES", [])
+    geo = [SimpleNamespace(num_kv_heads=H_KV, head_dim=D) for _ in range(layers)]
+    arena = qhk.bind_host_kv_layers(geo, num_blocks=2, block_size=block,
+                                    arena_layers=arena_blocks, device="cpu",
+                                    to_device_view=lambda t: t)
+    cache = arena.row_cache
+    assert cache.num_layers == layers and cache.num_lines == lines
+    assert lines == rc.row_cache_lines(arena.rows, layers) == qc.row_cache_lines(arena.rows, layers)
+    assert cache.rows.data_ptr() == arena.buffer.data_ptr()
+    assert cache.rows.shape == (layers, lines, H_KV, 2 * D)
+    assert arena.rows - layers * lines < 2 * layers  # the whole arena, bar rounding
+    assert qc.alloc_bytes(cache.state_bytes) == qc.row_cache_state_bytes(arena.rows, layers)
+    for t in (cache.tags, cache.hitmarks, cache.claims, cache.stats, cache.rows):
+        assert all(t[i].data_ptr() % 16 == 0 for i in range(layers))
+    assert all(cache.epochs[i:].data_ptr() % 16 == 0 for i in range(layers))
+    assert (cache.tags == -1).all() and (cache.hitmarks == 0).all()
+    assert (cache.claims == 0).all() and (cache.stats == 0).all()
+    assert cache.epochs.tolist() == [1] * layers
+    monkeypatch.setenv("VLLM_QSA_ROW_CACHE", "0")
+    arena = qhk.bind_host_kv_layers(geo, num_blocks=2, block_size=block,
+                                    arena_layers=arena_blocks, device="cpu",
+                                    to_device_view=lambda t: t)
+    assert getattr(arena, "row_cache", None) is None  # gate off: nothing allocated
+
+
+def test_row_cache_state_bytes_production():
+    from vllm.models.qwen4_exp.common import qsa_capacity as qc
+
+    assert qc.row_cache_lines(4 * 12_144, 4) == 12_144
+    assert qc.row_cache_lines(5 * 9_776, 4) == 12_220
+    assert qc.row_cache_lines(5 * 9_776, 5) == 9_776
+    assert qc.row_cache_state_bytes(4 * 12_144, 4) == 1_166_336
+    assert qc.row_cache_state_bytes(5 * 9_776, 4) == qc.row_cache_state_bytes(5 * 9_776, 5)
+
+
+def test_variant_keys_one_per_kernel():
+    # decode batches of 1..12 rows x 2 KV heads: one config, so each kernel
+    # has one variant (64 splits of 32-column tiles over 2,051 columns)
+    keys = rc.row_cache_variant_keys(2051, 2)
+    assert {k: len(v) for k, v in keys.items()} == {
+        "_qsa_row_cache_invalidate_kernel": 1, "_qsa_row_cache_plan_kernel": 1,
+        "_qsa_row_cache_splitk_kernel": 1, "_qsa_merge_splitk_kernel": 1}
+    assert keys["_qsa_row_cache_splitk_kernel"] == {(32, 65, 64, 4)}

@@ -38,6 +38,9 @@ _SPLITK_ALIGNED = (
     "stride_output_row", "stride_output_head", "stride_output_gate_row",
     "stride_output_gate_head",
 )
+# The row-cache kernels take the pointers a batch slices without the
+# alignment key (do_not_specialize_on_alignment): never aligned there.
+_SLICED = ("indices_ptr", "block_table_ptr", "token_to_req_ptr", "slot_mapping_ptr")
 _CACHE_SIG = {"cache_rows_ptr": "*bf16", "tags_ptr": "*i64", "hitmarks_ptr": "*i64",
               "claims_ptr": "*i64", "epoch_ptr": "*i64", "stride_cache_line": "i32",
               "stride_cache_head": "i32"}
@@ -57,7 +60,8 @@ def _configs():
                          constexprs=common, aligned=_SPLITK_ALIGNED, num_warps=warps, num_stages=2))
         cfgs.append(dict(fn=rc._qsa_row_cache_splitk_kernel, signature={**_SPLITK_SIG, **_CACHE_SIG},
                          constexprs={**common, "NUM_LINES": BLOCK},
-                         aligned=_SPLITK_ALIGNED + tuple(_CACHE_SIG),
+                         aligned=tuple(a for a in _SPLITK_ALIGNED if a not in _SLICED)
+                         + tuple(_CACHE_SIG),
                          num_warps=warps, num_stages=2))
         cfgs.append(dict(
             fn=rc._qsa_row_cache_plan_kernel,
@@ -68,8 +72,7 @@ def _configs():
                        "num_requests": "i32"},
             constexprs=dict(TOPK=TOPK, PAGE_SIZE=BLOCK, PAGE_TABLE_WIDTH=WIDTH, NUM_LINES=BLOCK,
                             NUM_TILES=tiles, BLOCK_N=block_n, COUNT=False),
-            aligned=("indices_ptr", "block_table_ptr", "token_to_req_ptr", "tags_ptr",
-                     "hitmarks_ptr", "claims_ptr", "epoch_ptr", "stats_ptr"),
+            aligned=("tags_ptr", "hitmarks_ptr", "claims_ptr", "epoch_ptr", "stats_ptr"),
             num_warps=1, num_stages=3))
     cfgs.append(dict(
         fn=rc._qsa_row_cache_invalidate_kernel,
@@ -77,7 +80,7 @@ def _configs():
                    "hitmarks_ptr": "*i64", "claims_ptr": "*i64", "epoch_ptr": "*i64"},
         constexprs=dict(NUM_LINES=BLOCK, EPOCH_LIMIT=rc.EPOCH_LIMIT, BLOCK=rc._INVALIDATE_BLOCK,
                         RESET_BLOCK=rc._RESET_BLOCK),
-        aligned=("slot_mapping_ptr", "tags_ptr", "hitmarks_ptr", "claims_ptr", "epoch_ptr"),
+        aligned=("tags_ptr", "hitmarks_ptr", "claims_ptr", "epoch_ptr"),
         num_warps=4, num_stages=3))
     return cfgs
 
