@@ -68,6 +68,9 @@ class FakeConfig:
     stream_error_after: int | None = None  # stream: after this many tokens send an error event
     abort_after: int | None = None  # stream: after this many tokens close the connection
     itl_file: str | None = None  # if this file exists, its number replaces `itl` (set by fake_compose.py)
+    # usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details): a prompt
+    # sent before counts its whole 16-token blocks as cached, a new one 0
+    report_cached: bool = False
 
 
 class FakeState:
@@ -83,6 +86,7 @@ class FakeState:
         # a loaded machine; the measurement must follow what was sent).
         self.sent_gaps: list[float] = []
         self.noise = random.Random(cfg.noise_seed)
+        self.seen_prompts: set[str] = set()
 
     def itl(self, i: int) -> float:
         d = self.cfg.itl
@@ -251,6 +255,11 @@ class Handler(BaseHTTPRequestHandler):
             delay = cfg.ttft + cfg.prefill_per_token * n_prompt
             usage = {"prompt_tokens": n_prompt, "completion_tokens": len(pieces),
                      "total_tokens": n_prompt + len(pieces)}
+            if cfg.report_cached:
+                with st.lock:
+                    seen = prompt in st.seen_prompts
+                    st.seen_prompts.add(prompt)
+                usage["prompt_tokens_details"] = {"cached_tokens": n_prompt // 16 * 16 if seen else 0}
             if not body.get("stream"):
                 time.sleep(delay + sum(st.itl(i) for i in range(max(0, len(pieces) - 1))))
                 self.send_json(200, {"id": "chatcmpl-fake", "object": "chat.completion", "model": cfg.model,
