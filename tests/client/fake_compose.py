@@ -7,6 +7,8 @@ Environment:
   FAKE_COMPOSE_MANIFEST  file printed by `exec ... python3 -c ...` (the installed manifest)
   FAKE_COMPOSE_ITL       JSON {gate: itl seconds} used while that gate is "0" (else FAKE_COMPOSE_ITL_BASE)
   FAKE_COMPOSE_ITL_FILE  where the current ITL is written on `up` (the fake server reads it)
+  FAKE_COMPOSE_TTFT      JSON {gate: ttft seconds} used while that gate is "0" (else FAKE_COMPOSE_TTFT_BASE)
+  FAKE_COMPOSE_TTFT_FILE where the current TTFT is written on `up`
   FAKE_COMPOSE_FAIL_UP   a gate: `up` with it set to "0" fails
   FAKE_COMPOSE_STUCK     a gate the fake server keeps "on" whatever the override says
 """
@@ -44,6 +46,13 @@ def main():
                 itl = v
         with open(os.environ["FAKE_COMPOSE_ITL_FILE"], "w") as f:
             f.write(str(itl))
+        if os.environ.get("FAKE_COMPOSE_TTFT_FILE"):
+            ttft = float(os.environ.get("FAKE_COMPOSE_TTFT_BASE", "0.01"))
+            for g, v in json.loads(os.environ.get("FAKE_COMPOSE_TTFT", "{}")).items():
+                if g in off:
+                    ttft = v
+            with open(os.environ["FAKE_COMPOSE_TTFT_FILE"], "w") as f:
+                f.write(str(ttft))
         return 0
     if sub == "logs":
         gates = [g for g in os.environ.get("FAKE_COMPOSE_GATES", "").split(",") if g]

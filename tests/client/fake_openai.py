@@ -68,6 +68,7 @@ class FakeConfig:
     stream_error_after: int | None = None  # stream: after this many tokens send an error event
     abort_after: int | None = None  # stream: after this many tokens close the connection
     itl_file: str | None = None  # if this file exists, its number replaces `itl` (set by fake_compose.py)
+    ttft_file: str | None = None  # the same for `ttft`
     # usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details): a prompt
     # sent before counts its whole 16-token blocks as cached, a new one 0
     report_cached: bool = False
@@ -252,7 +253,14 @@ class Handler(BaseHTTPRequestHandler):
             if cfg.preempt_above is not None and st.active > cfg.preempt_above:
                 cfg.preemptions += 1
         try:
-            delay = cfg.ttft + cfg.prefill_per_token * n_prompt
+            ttft = cfg.ttft
+            if cfg.ttft_file:
+                try:
+                    with open(cfg.ttft_file) as f:
+                        ttft = float(f.read())
+                except (OSError, ValueError):
+                    pass
+            delay = ttft + cfg.prefill_per_token * n_prompt
             usage = {"prompt_tokens": n_prompt, "completion_tokens": len(pieces),
                      "total_tokens": n_prompt + len(pieces)}
             if cfg.report_cached:
