@@ -342,10 +342,10 @@ class Target:
     def dist_info(self) -> Path:
         cands = sorted(self.root.glob("vllm-*.dist-info"))
         if not cands:
-            raise PatchError(f"{self.root}: no vllm-*.dist-info next to vllm/; reinstall vllm=={PIN_VERSION}")
+            raise PatchError(f"{self.root}: no vllm-*.dist-info next to vllm/; reinstall: `{reinstall_cmd()}`")
         if len(cands) > 1:
             raise PatchError(f"{self.root}: several vllm dist-info dirs ({', '.join(c.name for c in cands)}); "
-                             f"reinstall vllm=={PIN_VERSION} cleanly")
+                             f"reinstall cleanly: `{reinstall_cmd()}`")
         return cands[0]
 
     def version(self) -> str:
@@ -464,16 +464,19 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
         m = json.loads(manifest_path.read_text())
         if m.get("state") != "complete":
             raise PatchError(
-                f"{target.root}: half-applied tree (manifest state {m.get('state')!r}); "
-                f"reinstall vllm=={PIN_VERSION} and apply again")
+                f"{target.root}: half-applied tree (manifest state {m.get('state')!r}): "
+                f"`{Path(sys.argv[0]).name} revert {target.root}` restores it, or reinstall with "
+                f"`{reinstall_cmd()}`; then apply again")
         raise PatchError(
             f"{target.root}: the series is already applied ({len(m['series'])} patches, "
             f"see {manifest_path}); use `apply --check` to verify it or `revert` first")
     check_version(target)
     patches = load_series(patch_dir)
     verify_base(target, patches)
-    # Dry run of the whole series before anything is written.
+    # Dry run of the whole series before anything is written, compile included:
+    # a patch that leaves a SyntaxError is refused with the tree untouched.
     final = simulate(patches, target.read)
+    compile_in_memory(final, patches, target)
     manifest = {
         "tool": "vllm-3x3090 scripts/vllm_patches.py",
         "base": f"vllm {PIN_VERSION}",
@@ -484,7 +487,10 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
              "files": [fp.path for fp in p.files]}
             for p in patches
         ],
-        "files": {},
+        # The final digests are known before writing: `revert` can restore a
+        # tree that an interrupted apply left half-written.
+        "files": {rel: (sha256_bytes(text.encode()) if text is not None else None)
+                  for rel, text in sorted(final.items())},
     }
     target.manifest_dir.mkdir(parents=True, exist_ok=True)
     _write_json(manifest_path, manifest)
@@ -496,10 +502,9 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
         if text is not None and rel.endswith(".py"):
             try:
                 py_compile.compile(str(target.root / rel), doraise=True)
-            except py_compile.PyCompileError as e:
-                raise PatchError(f"{rel}: does not compile after patching: {e.msg}") from e
-    manifest["files"] = {rel: (sha256_bytes(text.encode()) if text is not None else None)
-                         for rel, text in sorted(final.items())}
+            except py_compile.PyCompileError as e:  # compiled in memory above: not expected
+                raise PatchError(f"{rel}: does not compile after patching: {e.msg}; "
+                                 f"`revert {target.root}` restores the tree") from e
     manifest["state"] = "complete"
     _write_json(manifest_path, manifest)
     log(f"applied {len(patches)} patches to {target.root} (vllm {PIN_VERSION}); manifest {manifest_path}")
@@ -508,13 +513,34 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
     return manifest
 
 
+def reinstall_cmd() -> str:
+    return f"pip install --force-reinstall --no-deps vllm=={PIN_VERSION}"
+
+
+def compile_in_memory(final: dict[str, str | None], patches: list[Patch], target: Target) -> None:
+    """Compile every patched .py from memory; PatchError naming the file, the
+    line and the patches that touch it, before anything is written."""
+    for rel, text in sorted(final.items()):
+        if text is None or not rel.endswith(".py"):
+            continue
+        try:
+            compile(text, str(target.root / rel), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:
+            who = [p.name for p in patches if any(fp.path == rel for fp in p.files)]
+            where = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise PatchError(f"{rel}{where}: does not compile after patching ({e.__class__.__name__}: "
+                             f"{getattr(e, 'msg', e)}); touched by {', '.join(who)}. Nothing was written; "
+                             "fix the patch in the development tree and export again") from e
+
+
 def check_applied(target: Target, patch_dir: Path | None = PATCH_DIR) -> dict:
     check_version(target)
     if not target.manifest_path.exists():
         raise PatchError(f"{target.root}: not patched (no {target.manifest_path})")
     m = json.loads(target.manifest_path.read_text())
     if m.get("state") != "complete":
-        raise PatchError(f"{target.root}: half-applied tree (manifest state {m.get('state')!r})")
+        raise PatchError(f"{target.root}: half-applied tree (manifest state {m.get('state')!r}): "
+                         f"`revert {target.root}` restores it, or reinstall with `{reinstall_cmd()}`")
     problems = []
     for rel, digest in m["files"].items():
         p = target.root / rel
@@ -541,7 +567,8 @@ def revert_series(target: Target, log=print) -> None:
         raise PatchError(f"{target.root}: not patched (no manifest)")
     m = json.loads(target.manifest_path.read_text())
     if m.get("state") != "complete":
-        raise PatchError(f"{target.root}: half-applied tree; reinstall vllm=={PIN_VERSION}")
+        revert_half_applied(target, m, log)
+        return
     check_applied(target, patch_dir=None)
     patches = [parse_patch(e["name"], (target.manifest_dir / e["name"]).read_bytes()) for e in m["series"]]
     final = simulate(patches, target.read, reverse=True)
@@ -557,6 +584,51 @@ def revert_series(target: Target, log=print) -> None:
                 pyc.unlink()
     shutil.rmtree(target.manifest_dir)
     log(f"reverted {len(patches)} patches in {target.root}")
+
+
+def revert_half_applied(target: Target, m: dict, log=print) -> None:
+    """Restore a tree an interrupted apply left half-written: each touched
+    file is pristine (RECORD), patched (the manifest's digest: reverse-applied)
+    or foreign (refused, named)."""
+    if not m.get("files"):
+        raise PatchError(f"{target.root}: half-applied tree from an older apply (no file digests in "
+                         f"{target.manifest_path}); reinstall with `{reinstall_cmd()}` and apply again")
+    patches = [parse_patch(e["name"], (target.manifest_dir / e["name"]).read_bytes()) for e in m["series"]]
+    record = target.record()
+    to_reverse, to_delete, bad = set(), [], []
+    for rel, digest in m["files"].items():
+        p = target.root / rel
+        data = p.read_bytes() if p.exists() else None
+        if rel in record:
+            if data is not None and record_digest(data) == record[rel]:
+                continue  # not written yet
+            if data is not None and digest is not None and sha256_bytes(data) == digest:
+                to_reverse.add(rel)
+            elif data is None and digest is None:
+                to_reverse.add(rel)  # deleted by the series: reverse-apply recreates it
+            else:
+                bad.append(rel)
+        elif data is not None:  # created by the series
+            if digest is not None and sha256_bytes(data) == digest:
+                to_delete.append(rel)
+            else:
+                bad.append(rel)
+    if bad:
+        raise PatchError(f"{target.root}: half-applied tree with files that are neither pristine nor "
+                         f"patched: {', '.join(bad)}; reinstall with `{reinstall_cmd()}` and apply again")
+    only = [Patch(p.name, p.raw, p.header, [fp for fp in p.files if fp.path in to_reverse]) for p in patches]
+    final = simulate([p for p in only if p.files], target.read, reverse=True)
+    for rel, text in final.items():
+        if text is None or record_digest(text.encode()) != record.get(rel):
+            raise PatchError(f"{rel}: reverse-apply does not restore the RECORD hash; reinstall with "
+                             f"`{reinstall_cmd()}`")
+    for rel, text in final.items():
+        target.write(rel, text)
+    for rel in to_delete:
+        (target.root / rel).unlink()
+    shutil.rmtree(target.manifest_dir)
+    log(f"reverted a half-applied series in {target.root} ({len(final)} files restored, "
+        f"{len(to_delete)} removed)")
 
 
 def _write_json(path: Path, obj) -> None:

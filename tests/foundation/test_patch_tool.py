@@ -268,3 +268,48 @@ def test_combine_merges_parallel_series(tmp_path):
     vp.export_tree(out, exported, log=lambda *a: None)
     for n in names:
         assert (exported / n).read_bytes() == (vp.PATCH_DIR / n).read_bytes(), n
+
+
+def _syntax_error_patch() -> bytes:
+    """A patch that creates a module with a SyntaxError (after the real series)."""
+    return (b"Description: broken on purpose\nGate: VLLM_PATCH_GATES_LOG\n---\n"
+            b"diff --git a/vllm/_broken_by_test.py b/vllm/_broken_by_test.py\nnew file mode 100644\n"
+            b"--- /dev/null\n+++ b/vllm/_broken_by_test.py\n@@ -0,0 +1,2 @@\n+x = 1\n+def (:\n")
+
+
+def test_syntax_error_refused_before_anything_is_written(target, tmp_path):
+    d = write_series(tmp_path / "p", {**real_patches(), "9990-broken.patch": _syntax_error_patch()})
+    with pytest.raises(vp.PatchError, match=r"_broken_by_test\.py line 2: does not compile.*9990-broken"):
+        vp.apply_series(target, d, log=lambda *a: None)
+    existing, created = vp.base_files(vp.load_series(d))
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+    assert not target.manifest_path.exists()
+
+
+def test_interrupted_apply_is_reverted(target, monkeypatch):
+    """An apply that dies half-way (here: the 3rd file write) leaves a tree that
+    `revert` restores; `apply` names both ways out."""
+    real_write = vp.Target.write
+    n = {"w": 0}
+
+    def dying_write(self, rel, text):
+        n["w"] += 1
+        if n["w"] == 3:
+            raise KeyboardInterrupt
+        return real_write(self, rel, text)
+
+    monkeypatch.setattr(vp.Target, "write", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        vp.apply_series(target, log=lambda *a: None)
+    monkeypatch.setattr(vp.Target, "write", real_write)
+    with pytest.raises(vp.PatchError, match=r"half-applied.*revert.*pip install --force-reinstall --no-deps"):
+        vp.apply_series(target, log=lambda *a: None)
+    existing, created = vp.base_files(vp.load_series())
+    assert record_ok(target, existing) != []  # two files were written
+    vp.revert_series(target, log=lambda *a: None)
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+    assert not target.manifest_dir.exists()
+    vp.apply_series(target, log=lambda *a: None)
+    vp.check_applied(target)
