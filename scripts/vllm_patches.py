@@ -15,7 +15,8 @@ Commands
                    the vllm/ package dir); `--check` verifies instead
   revert TARGET    reverse-apply what the manifest says was applied
   combine OUT DIR...  a tree whose series is the union of several patch dirs
-                   (parallel branches), cherry-picked in numeric order
+                   (parallel branches), cherry-picked in numeric order; stops when
+                   one patch really differs between dirs (--take / --prefer-changed)
   gates            print the gates table (markdown) from the patch headers
 
 Why our own applier instead of `patch`/`git apply`: both accept hunks at an
@@ -769,9 +770,76 @@ def export_tree(src: Path, patch_dir: Path = PATCH_DIR, log=print) -> list[str]:
     return names
 
 
-def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
-    """A tree whose series is the union of several patch dirs, by patch name
-    (a later dir wins), cherry-picked on pristine in numeric order.
+def patch_identity(raw: bytes) -> tuple:
+    """What a patch changes, without what moves when it is rebased: its header
+    and, per file, the removed/added lines (no hunk positions, context lines or
+    index blob ids). Two copies with the same identity are the same patch made
+    on different bases."""
+    p = parse_patch("x", raw)
+    return (p.header.strip(),
+            tuple((fp.old_path, fp.new_path, tuple((t, x) for h in fp.hunks for t, x in h.lines if t != " "))
+                  for fp in p.files))
+
+
+def choose_copies(patch_dirs: list[Path], take: dict[str, Path] | None = None,
+                  prefer_changed: bool = False, log=print) -> dict[str, int]:
+    """Patch name -> index of the dir whose copy combine uses. Copies that
+    differ only by their base (line numbers, context) are one patch (the later
+    dir's copy is used). Copies that really differ stop the combine
+    (PatchError naming every file) unless --take NAME=DIR picks one, or
+    prefer_changed and exactly one copy differs from the first dir's (the
+    base: the one branch that edited the patch)."""
+    take = {(k if k.endswith(".patch") else k + ".patch"): Path(v).resolve() for k, v in (take or {}).items()}
+    versions: dict[str, list[tuple[int, tuple]]] = {}
+    for i, d in enumerate(patch_dirs):
+        for p in load_series(d):
+            versions.setdefault(p.name, []).append((i, patch_identity(p.raw)))
+    unknown = set(take) - set(versions)
+    if unknown:
+        raise PatchError(f"--take names {', '.join(sorted(unknown))}, which no dir's series has")
+    chosen: dict[str, int] = {}
+    conflicts = []
+    for name, vs in sorted(versions.items()):
+        distinct = list(dict.fromkeys(ident for _, ident in vs))
+        if name in take:
+            idx = [i for i, _ in vs if patch_dirs[i].resolve() == take[name]]
+            if not idx:
+                raise PatchError(f"--take {name}={take[name]}: that dir is not one of the combined dirs "
+                                 f"or has no {name} (it is in: {', '.join(str(patch_dirs[i]) for i, _ in vs)})")
+            chosen[name] = idx[-1]
+            if len(distinct) > 1:
+                log(f"{name}: copies differ; using {patch_dirs[idx[-1]] / name} (--take)")
+            continue
+        if len(distinct) == 1:
+            chosen[name] = vs[-1][0]
+            continue
+        base = vs[0][1] if vs[0][0] == 0 else None
+        changed = [ident for ident in distinct if ident != base]
+        if prefer_changed and base is not None and len(changed) == 1:
+            chosen[name] = next(i for i, ident in vs if ident == changed[0])
+            log(f"{name}: copies differ; using the one copy changed from the base: "
+                f"{patch_dirs[chosen[name]] / name} (--prefer-changed)")
+            continue
+        groups = []
+        for ident in distinct:
+            groups.append(" = ".join(str(patch_dirs[i] / name) for i, x in vs if x == ident))
+        conflicts.append(f"{name}: {len(distinct)} different copies: " + " | ".join(groups))
+    if conflicts:
+        raise PatchError(
+            "the same patch differs between the dirs (not only in line numbers or context), and combine "
+            "keeps one copy per patch, it cannot merge two edits of one patch:\n  " + "\n  ".join(conflicts)
+            + "\nPick the copy to keep with --take NAME=DIR (repeatable), or --prefer-changed (keep the one copy "
+            "that differs from the first dir's, when only one does); to keep two edits, apply one on a `tree` "
+            "of the other and export")
+    return chosen
+
+
+def combine_trees(dest: Path, patch_dirs: list[Path], log=print, take: dict[str, Path] | None = None,
+                  prefer_changed: bool = False) -> list[str]:
+    """A tree whose series is the union of several patch dirs, by patch name,
+    cherry-picked on pristine in numeric order. A patch whose copies really
+    differ between the dirs stops it before anything is built (see
+    choose_copies: --take / --prefer-changed).
 
     This is how branches that each grew their own patches merge: git's 3-way
     cherry-pick re-derives the line numbers that the strict applier needs
@@ -782,6 +850,7 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
     """
     if dest.exists() and any(dest.iterdir()):
         raise PatchError(f"{dest} exists and is not empty")
+    chosen = choose_copies(patch_dirs, take, prefer_changed, log=log)
     picks: dict[str, tuple[int, str]] = {}
     for i, d in enumerate(patch_dirs):
         if i == 0:
@@ -794,7 +863,8 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
             shutil.rmtree(src)
         for c in git(dest, "rev-list", "--reverse", f"pristine..src-{i}").decode().split():
             subject = git(dest, "log", "-1", "--format=%s", c).decode().strip()
-            picks[subject] = (i, c)
+            if chosen.get(subject + ".patch", i) == i:
+                picks[subject] = (i, c)
     git(dest, "checkout", "-q", "-B", "series", "refs/tags/pristine")
     for subject in sorted(picks):
         i, c = picks[subject]
@@ -872,6 +942,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("combine", help="tree = union of several patch dirs, in numeric order")
     c.add_argument("dir", type=Path)
     c.add_argument("patch_dirs", type=Path, nargs="+")
+    c.add_argument("--take", action="append", default=[], metavar="PATCH=DIR",
+                   help="when PATCH's copies differ between the dirs, use DIR's (repeatable)")
+    c.add_argument("--prefer-changed", action="store_true",
+                   help="when a patch's copies differ, use the one copy that differs from the first dir's "
+                        "(the base), if only one does")
     a = sub.add_parser("apply", help="apply the series to an installed vllm")
     a.add_argument("target", help="site-packages dir (containing vllm/) or the vllm/ package dir")
     a.add_argument("--check", action="store_true", help="verify an applied tree against its manifest")
@@ -887,7 +962,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "tree":
             make_tree(args.dir.resolve(), args.patches)
         elif args.cmd == "combine":
-            combine_trees(args.dir.resolve(), [d.resolve() for d in args.patch_dirs])
+            take = {}
+            for kv in args.take:
+                k, sep, v = kv.partition("=")
+                if not sep or not k or not v:
+                    raise PatchError(f"--take {kv!r}: give PATCH=DIR, e.g. 0100-ple-pp-mmap=../b/patches")
+                take[k] = Path(v)
+            combine_trees(args.dir.resolve(), [d.resolve() for d in args.patch_dirs], take=take,
+                          prefer_changed=args.prefer_changed)
         elif args.cmd == "export":
             export_tree(args.dir.resolve(), args.patches)
         elif args.cmd == "apply":

@@ -313,3 +313,41 @@ def test_interrupted_apply_is_reverted(target, monkeypatch):
     assert not target.manifest_dir.exists()
     vp.apply_series(target, log=lambda *a: None)
     vp.check_applied(target)
+
+
+def _edit_first_added_line(raw: bytes) -> bytes:
+    lines = raw.split(b"\n")
+    k = next(i for i, ln in enumerate(lines) if ln.startswith(b"+") and not ln.startswith(b"+++"))
+    lines[k] += b"  # edited on a branch"
+    return b"\n".join(lines)
+
+
+def test_combine_stops_when_one_patch_really_differs(tmp_path):
+    patches = real_patches()
+    first = next(iter(patches))
+    a = write_series(tmp_path / "a", patches)
+    moved = write_series(tmp_path / "moved", {**patches, first: _shift_first_hunk(patches[first], 2)})
+    b = write_series(tmp_path / "b", {**patches, first: _edit_first_added_line(patches[first])})
+    c = write_series(tmp_path / "c", {**patches, first: _edit_first_added_line(_edit_first_added_line(
+        patches[first]))})
+    # other line numbers only: one patch, no question asked (the later copy)
+    assert vp.choose_copies([a, moved], log=lambda *x: None)[first] == 1
+    with pytest.raises(vp.PatchError, match="differs between the dirs") as e:
+        vp.choose_copies([a, b], log=lambda *x: None)
+    msg = str(e.value)
+    assert str(a / first) in msg and str(b / first) in msg and "--take" in msg and "--prefer-changed" in msg
+    assert vp.choose_copies([a, b], take={first.removesuffix(".patch"): b}, log=lambda *x: None)[first] == 1
+    assert vp.choose_copies([b, a], take={first: b}, log=lambda *x: None)[first] == 0
+    # the base (first dir) and one branch that edited it: --prefer-changed takes the edit,
+    # also when another branch still has the base's copy (later in the list)
+    assert vp.choose_copies([a, b, moved], prefer_changed=True, log=lambda *x: None)[first] == 1
+    # two branches edited it differently: still a stop
+    with pytest.raises(vp.PatchError, match="3 different copies"):
+        vp.choose_copies([a, b, c], prefer_changed=True, log=lambda *x: None)
+    with pytest.raises(vp.PatchError, match="no dir's series has"):
+        vp.choose_copies([a, b], take={"9999-nope": b}, log=lambda *x: None)
+    # the CLI stops before building anything
+    out = tmp_path / "combined"
+    r = subprocess.run(["python3", str(REPO / "scripts" / "vllm_patches.py"), "combine", str(out), str(a), str(b)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and str(b / first) in r.stderr and not out.exists()
