@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Logprob A/B: does a patch change what the model computes beyond run-to-run noise?
 
-The reference's quality check for a patch (article §3.3, HC and MoE fusion): the same fixed
+The reference's quality check for a patch (the write-up, 3.3: HC and MoE fusion): the same fixed
 prompts, greedy, against the server before (A) and after (B) the change;
 compare the per-token logprobs of the same continuation. Report the mean
 absolute difference A vs B next to A vs A (two runs of the unchanged server:
@@ -144,6 +144,22 @@ def load(path: str) -> dict:
         raise oc.ClientError(f"{path}: {e} (make it with `logprob_ab.py record --out {path}`)") from e
 
 
+def load_recording(path: str) -> dict:
+    """A file `record` wrote, checked: a message (not a traceback) for anything else."""
+    d = load(path)
+    hint = f"make one with `logprob_ab.py record --out {path}`"
+    if not isinstance(d, dict) or not isinstance(d.get("prompts"), list):
+        what = "a JSON " + type(d).__name__ if not isinstance(d, dict) else f"a JSON object with keys {sorted(d)[:6]}"
+        raise oc.ClientError(f"{path} is not a logprob_ab.py recording (it is {what}, with no 'prompts' list); {hint}")
+    for i, x in enumerate(d["prompts"]):
+        ok = (isinstance(x, dict) and isinstance(x.get("prompt"), str) and isinstance(x.get("tokens"), list)
+              and isinstance(x.get("logprobs"), list) and len(x["tokens"]) == len(x["logprobs"]))
+        if not ok:
+            raise oc.ClientError(f"{path}: prompt entry {i} is not a recording's (needs prompt, and tokens and "
+                                 f"logprobs lists of one length); {hint}")
+    return d
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -194,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out} ({len(rec['prompts'])} prompts x {args.max_tokens} tokens)")
             return 0
         if args.cmd == "compare":
-            a1, a2, bs, names = load(args.a1), load(args.a2), [load(b) for b in args.b], args.b
+            a1, a2 = load_recording(args.a1), load_recording(args.a2)
+            bs, names = [load_recording(b) for b in args.b], args.b
         else:
             key = oc.api_key_from(args)
             ca = oc.Client(args.a, key, timeout=args.timeout)

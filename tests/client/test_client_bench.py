@@ -256,3 +256,21 @@ def test_vllm_bench_fields_cached_tokens_and_progress_without_tqdm(tmp_path, mon
     # cold: never sent before -> 0
     assert warm["summary"]["prefix_reuse_median"] > 0.8 and cold["summary"]["prefix_reuse_median"] == 0
     assert all(c > 0 for run in warm["runs"] for c in run["cached_tokens"])
+
+
+def test_default_base_url_follows_port_and_host_bind(tmp_path, monkeypatch):
+    env = tmp_path / ".env"
+    env.write_text("# comment\nMODEL_DIR=/m\nPORT=8123\nHOST_BIND='192.168.1.5'\nKEY=a b # note\n")
+    assert oc.dotenv_value("PORT", str(env)) == "8123" and oc.dotenv_value("HOST_BIND", str(env)) == "192.168.1.5"
+    assert oc.dotenv_value("KEY", str(env)) == "a b" and oc.dotenv_value("NOPE", str(env)) is None
+    monkeypatch.setenv("PORT", "8124")
+    monkeypatch.setenv("HOST_BIND", "0.0.0.0")
+    assert oc.env_base_url() == "http://127.0.0.1:8124/v1"
+    monkeypatch.setenv("HOST_BIND", "10.0.0.7")
+    assert oc.env_base_url() == "http://10.0.0.7:8124/v1"
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    oc.add_common_args(ap)
+    assert ap.parse_args([]).base_url == "http://10.0.0.7:8124/v1"
