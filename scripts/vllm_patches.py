@@ -878,8 +878,15 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print, take: dict[str,
     return sorted(picks)
 
 
+def spec_items(spec_field: str) -> str:
+    """The item ids of a Spec: field (decode-04, ttft-01, pinned-pool ...),
+    without its section numbers and tracker references, which a clone of the
+    repository cannot follow (the README stays self-contained)."""
+    return ", ".join(dict.fromkeys(re.findall(r"\b[a-z][a-z0-9]*(?:-[a-z0-9]+)+\b", spec_field)))
+
+
 def gates_table(patch_dir: Path = PATCH_DIR) -> str:
-    rows = ["| patch | gate | default | spec | what |", "|---|---|---|---|---|"]
+    rows = ["| patch | gate | default | item | what |", "|---|---|---|---|---|"]
     for p in load_series(patch_dir):
         f = p.fields
         gate_field = f.get("Gate", "")
@@ -888,7 +895,7 @@ def gates_table(patch_dir: Path = PATCH_DIR) -> str:
         if m:
             default = m.group(1)
         desc = f.get("Description", "").split("\n")[0].replace("|", "\\|")
-        rows.append(f"| `{Path(p.name).stem}` | `{p.gate}` | {default} | {f.get('Spec', '')} | {desc} |")
+        rows.append(f"| `{Path(p.name).stem}` | `{p.gate}` | {default} | {spec_items(f.get('Spec', ''))} | {desc} |")
     return "\n".join(rows) + "\n"
 
 
