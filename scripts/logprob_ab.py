@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 
 import oai_client as oc
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--a", required=True, help="base URL of A (e.g. http://127.0.0.1:8000/v1)")
     rn.add_argument("--b", required=True, help="base URL of B")
     rn.add_argument("--api-key", default=None)
-    rn.add_argument("--model", default=oc.DEFAULT_MODEL)
+    rn.add_argument("--model", default=os.environ.get("OPENAI_MODEL", oc.DEFAULT_MODEL),
+                    help="served model name (default: $OPENAI_MODEL or %(default)s)")
     rn.add_argument("--timeout", type=float, default=600.0)
     gen_args(rn)
     cmp_args(rn)
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "record":
             client = oc.Client(args.base_url, oc.api_key_from(args), timeout=args.timeout)
             oc.check_server(client)
+            oc.check_model(client, args.model)
             rec = record(client, args.model, prompts, args.max_tokens, args.seed, args.label)
             oc.write_json(args.out, rec)
             print(f"wrote {args.out} ({len(rec['prompts'])} prompts x {args.max_tokens} tokens)")
@@ -218,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             cb = oc.Client(args.b, key, timeout=args.timeout)
             oc.check_server(ca, "A server")
             oc.check_server(cb, "B server")
+            oc.check_model(ca, args.model)
+            oc.check_model(cb, args.model)
             a1 = record(ca, args.model, prompts, args.max_tokens, args.seed, "A1")
             a2 = record(ca, args.model, prompts, args.max_tokens, args.seed, "A2")
             bs, names = [record(cb, args.model, prompts, args.max_tokens, args.seed, "B")], ["B"]

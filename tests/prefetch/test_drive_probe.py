@@ -69,7 +69,8 @@ def test_png_marks_slow_reads_red(monkeypatch):
     assert count_px(raw, w, blue) == count_px(base, w, blue) - 1
 
 
-def test_real_probe_json(tmp_path, capsys):
+def test_real_probe_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TINYPNG_BACKEND", "tinypng")  # the PNG is checked pixel-level below
     f = tmp_path / "blob.bin"
     f.write_bytes(os.urandom(4096 * 64))
     out = tmp_path / "r.json"
