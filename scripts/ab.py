@@ -9,7 +9,9 @@ baseline (every gate at its default) and then for each gate G:
 
   1. write an override compose file that sets only G="0" for the service
   2. <compose> -f compose.yaml -f <override> up -d --force-recreate vllm
-  3. wait for /health, then check the server's gates line
+  3. wait for /health (every --log-check-s the logs are read for an engine
+     start failure, so a variant that cannot start is not waited on for
+     --health-timeout), then check the server's gates line
      ("vllm-3x3090 patches (N): ...[G]=off") in `<compose> logs`
   4. python3 scripts/bench_serving.py --json <work>/<variant>.json ... (the
      arguments after `--`; each variant gets its own --cold-salt, so cold
@@ -76,6 +78,10 @@ NOT_AB = {
     "VLLM_PINNED_POOL": "=0 restores power-of-two pinned rounding (the ~68 GiB K/V pool becomes 128 GiB): "
                         "the server may not start; --only VLLM_PINNED_POOL to try it",
 }
+# Log lines after which a restarted server never gets healthy (vLLM's engine
+# start failures): ab.py stops waiting for that variant at once.
+FATAL_MARKS = ("Engine core initialization failed", "CUDA out of memory", "torch.OutOfMemoryError",
+               "cudaErrorMemoryAllocation", "EngineDeadError")
 # Gates whose code runs only with MTP speculative decoding (compose/mtp.yaml).
 NEEDS_MTP = {"VLLM_DRAFT_TOKENS_PER_REQUEST", "VLLM_MTP_PP", "VLLM_MTP_FIT"}
 # Gates scored on TTFT (what they change); every other gate on decode tok/s.
@@ -360,6 +366,35 @@ class AB:
         lines = [ln for ln in (r.stdout + r.stderr).splitlines() if GATES_LOG_MARK in ln]
         return lines[-1] if lines else None
 
+    def fatal_line(self, override: Path | None) -> str | None:
+        """A log line that says the server will never get healthy, or None."""
+        r = subprocess.run(self.logs_cmd(override), cwd=self.project, capture_output=True, text=True,
+                           timeout=300)
+        for ln in (r.stdout + r.stderr).splitlines():
+            if any(m in ln for m in FATAL_MARKS):
+                return ln.strip()
+        return None
+
+    def wait_healthy(self, variant: str, override: Path | None) -> None:
+        """Until /health answers, reading the logs every --log-check-s for a start
+        failure (the engine dies long before --health-timeout runs out)."""
+        t_end = time.monotonic() + self.args.health_timeout
+        next_check = time.monotonic() + self.args.log_check_s
+        while True:
+            if self.client.health():
+                return
+            now = time.monotonic()
+            if now >= t_end:
+                raise ABError(f"{variant}: not healthy after {self.args.health_timeout:.0f} s; "
+                              f"see `{shlex.join(self.logs_cmd(override))}`")
+            if now >= next_check:
+                next_check = now + self.args.log_check_s
+                line = self.fatal_line(override)
+                if line:
+                    raise ABError(f"{variant}: the server failed to start ({line[:300]}); "
+                                  f"see `{shlex.join(self.logs_cmd(override))}`")
+            time.sleep(max(0.0, min(5.0, t_end - now, next_check - now)))
+
     def run_variant(self, variant: str, env: dict) -> dict:
         ov = self.override_path(variant, env)
         if ov is not None:
@@ -370,9 +405,7 @@ class AB:
         print(f"waiting for {self.client.url('/health', root=True)} (up to {self.args.health_timeout:.0f} s)")
         # Give the old container's port a moment to close before the first probe.
         time.sleep(self.args.settle_s)
-        if not self.client.wait_healthy(self.args.health_timeout, interval=5.0):
-            raise ABError(f"{variant}: not healthy after {self.args.health_timeout:.0f} s; "
-                          f"see `{shlex.join(self.logs_cmd(ov))}`")
+        self.wait_healthy(variant, ov)
         line = self.gates_line(ov)
         if line is None:
             print(f"warning: no '{GATES_LOG_MARK}' line in the {self.service} logs; cannot check the gates")
@@ -528,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="A/B GATE with this value instead of 0 (needed for opt-in gates)")
     ap.add_argument("--health-timeout", type=float, default=1800.0,
                     help="seconds to wait for /health after a restart (default %(default)s: the model load)")
+    ap.add_argument("--log-check-s", type=float, default=30.0,
+                    help="while waiting for /health, read the logs this often for a start failure "
+                         "(default %(default)s)")
     ap.add_argument("--settle-s", type=float, default=5.0,
                     help="seconds to wait after `up` before probing /health (default %(default)s)")
     ap.add_argument("--no-restore", action="store_true", help="leave the last variant running")

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import random
 import re
 import socket
@@ -69,6 +70,7 @@ class FakeConfig:
     abort_after: int | None = None  # stream: after this many tokens close the connection
     itl_file: str | None = None  # if this file exists, its number replaces `itl` (set by fake_compose.py)
     ttft_file: str | None = None  # the same for `ttft`
+    unhealthy_file: str | None = None  # while this file exists, /health answers 503
     # usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details): a prompt
     # sent before counts its whole 16-token blocks as cached, a new one 0
     report_cached: bool = False
@@ -178,7 +180,8 @@ class Handler(BaseHTTPRequestHandler):
         if not self.authorized():
             return
         if self.path == "/health":
-            self.send_text(200, "")
+            uf = self.st.cfg.unhealthy_file
+            self.send_text(503 if uf and os.path.exists(uf) else 200, "")
         elif self.path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [{"id": self.st.cfg.model, "object": "model"}]})
         elif self.path == "/metrics" and self.st.cfg.metrics:

@@ -234,3 +234,24 @@ def test_dry_run_asks_no_container_and_skips_what_cannot_apply(tmp_path, capsys)
         g = sorted(ab.NEEDS_MTP & gates)[0]
         assert ab.main(base + ["--only", g]) == 2
         assert "compose/mtp.yaml" in capsys.readouterr().err
+
+
+def test_a_variant_whose_engine_dies_is_not_waited_for(tmp_path, monkeypatch, capsys):
+    import time
+
+    fake_env(monkeypatch, tmp_path, FAKE_COMPOSE_FATAL="VLLM_PLE_PREFETCH",
+             FAKE_COMPOSE_UNHEALTHY_FILE=str(tmp_path / "unhealthy"))
+    work = tmp_path / "work"
+    cfg = FakeConfig(ttft=0.01, itl=0.001, unhealthy_file=str(tmp_path / "unhealthy"))
+    with FakeServer(cfg) as srv:
+        args = ab_args(srv, work, "--manifest", str(tmp_path / "manifest.json"), "--log-check-s", "0.2")
+        args[args.index("--health-timeout") + 1] = "60"
+        t0 = time.monotonic()
+        assert ab.main(args) == 1
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert "VLLM_PLE_PREFETCH=0: the server failed to start" in err and "Engine core initialization failed" in err
+    assert took < 30  # not the 60 s health timeout
+    state = json.loads((work / "state.json").read_text())
+    assert "failed to start" in state["variants"]["VLLM_PLE_PREFETCH=0"]["failed"]
+    assert "json" in state["variants"]["VLLM_PP_DEFERRED_RECV=0"]  # the next variant ran
