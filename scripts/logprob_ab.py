@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Logprob A/B: does a patch change what the model computes beyond run-to-run noise?
 
-The reference's quality check for a patch (article §3.3, HC and MoE fusion): the same fixed
+The reference's quality check for a patch (the write-up, 3.3: HC and MoE fusion): the same fixed
 prompts, greedy, against the server before (A) and after (B) the change;
 compare the per-token logprobs of the same continuation. Report the mean
 absolute difference A vs B next to A vs A (two runs of the unchanged server:
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 
 import oai_client as oc
@@ -144,6 +145,22 @@ def load(path: str) -> dict:
         raise oc.ClientError(f"{path}: {e} (make it with `logprob_ab.py record --out {path}`)") from e
 
 
+def load_recording(path: str) -> dict:
+    """A file `record` wrote, checked: a message (not a traceback) for anything else."""
+    d = load(path)
+    hint = f"make one with `logprob_ab.py record --out {path}`"
+    if not isinstance(d, dict) or not isinstance(d.get("prompts"), list):
+        what = "a JSON " + type(d).__name__ if not isinstance(d, dict) else f"a JSON object with keys {sorted(d)[:6]}"
+        raise oc.ClientError(f"{path} is not a logprob_ab.py recording (it is {what}, with no 'prompts' list); {hint}")
+    for i, x in enumerate(d["prompts"]):
+        ok = (isinstance(x, dict) and isinstance(x.get("prompt"), str) and isinstance(x.get("tokens"), list)
+              and isinstance(x.get("logprobs"), list) and len(x["tokens"]) == len(x["logprobs"]))
+        if not ok:
+            raise oc.ClientError(f"{path}: prompt entry {i} is not a recording's (needs prompt, and tokens and "
+                                 f"logprobs lists of one length); {hint}")
+    return d
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -174,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--a", required=True, help="base URL of A (e.g. http://127.0.0.1:8000/v1)")
     rn.add_argument("--b", required=True, help="base URL of B")
     rn.add_argument("--api-key", default=None)
-    rn.add_argument("--model", default=oc.DEFAULT_MODEL)
+    rn.add_argument("--model", default=os.environ.get("OPENAI_MODEL", oc.DEFAULT_MODEL),
+                    help="served model name (default: $OPENAI_MODEL or %(default)s)")
     rn.add_argument("--timeout", type=float, default=600.0)
     gen_args(rn)
     cmp_args(rn)
@@ -189,18 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "record":
             client = oc.Client(args.base_url, oc.api_key_from(args), timeout=args.timeout)
             oc.check_server(client)
+            oc.check_model(client, args.model)
             rec = record(client, args.model, prompts, args.max_tokens, args.seed, args.label)
             oc.write_json(args.out, rec)
             print(f"wrote {args.out} ({len(rec['prompts'])} prompts x {args.max_tokens} tokens)")
             return 0
         if args.cmd == "compare":
-            a1, a2, bs, names = load(args.a1), load(args.a2), [load(b) for b in args.b], args.b
+            a1, a2 = load_recording(args.a1), load_recording(args.a2)
+            bs, names = [load_recording(b) for b in args.b], args.b
         else:
             key = oc.api_key_from(args)
             ca = oc.Client(args.a, key, timeout=args.timeout)
             cb = oc.Client(args.b, key, timeout=args.timeout)
             oc.check_server(ca, "A server")
             oc.check_server(cb, "B server")
+            oc.check_model(ca, args.model)
+            oc.check_model(cb, args.model)
             a1 = record(ca, args.model, prompts, args.max_tokens, args.seed, "A1")
             a2 = record(ca, args.model, prompts, args.max_tokens, args.seed, "A2")
             bs, names = [record(cb, args.model, prompts, args.max_tokens, args.seed, "B")], ["B"]

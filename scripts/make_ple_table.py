@@ -11,7 +11,9 @@ target machine has ~125 GiB with the server running), written to
 FILE.tmp-<pid> and renamed to FILE only when complete. --verify checks an
 existing FILE: its size against the model config, and its sha256 against
 the sha256 of the same bytes streamed from the checkpoint.
-Needs only the standard library, numpy and tqdm (no torch).
+Needs only the standard library and numpy (tqdm for a progress bar when
+installed; no torch), and the patched vllm's vllm/ple_table_format.py
+(patch 0100). --help works on any python3.
 """
 
 from __future__ import annotations
@@ -27,8 +29,34 @@ import struct
 import sys
 from dataclasses import dataclass
 
-import numpy as np
-from tqdm import tqdm
+
+class _Bar:
+    """tqdm when installed, else a line on stderr every 5 % (bare python3)."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.next = total, desc, 0, 0.05
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+        except ImportError:
+            self.bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.total and self.n / self.total >= self.next:
+            print(f"{self.desc}: {self.n / self.total:.0%} ({self.n >> 30} of {self.total >> 30} GiB)",
+                  file=sys.stderr, flush=True)
+            self.next = self.n / self.total + 0.05
 
 
 def load_table_format():
@@ -152,6 +180,8 @@ def to_bf16_bits(raw: bytes, dtype: str) -> bytes:
     """Row bytes as bf16 (round to nearest even, like torch's .to(bfloat16))."""
     if dtype == "BF16":
         return raw
+    import numpy as np
+
     values = np.frombuffer(raw, dtype="<f2" if dtype == "F16" else "<f4")
     bits = values.astype(np.float32).view(np.uint32)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -189,9 +219,7 @@ def build(args) -> int:
     tmp = f"{out}.tmp-{os.getpid()}"
     digest = hashlib.sha256()
     try:
-        with open(tmp, "wb") as f, tqdm(
-            total=layout.file_size, unit="B", unit_scale=True, desc="PLE table"
-        ) as bar:
+        with open(tmp, "wb") as f, _Bar(layout.file_size, "PLE table") as bar:
             for _, _, data in stream_table(steps, args.chunk_kib << 10):
                 f.write(data)
                 digest.update(data)
@@ -209,7 +237,8 @@ def build(args) -> int:
         f"wrote {out}: {layout.total_rows} rows x {layout.row_bytes} B = "
         f"{layout.file_size} bytes, sha256 {digest.hexdigest()}"
     )
-    print(f"serve with VLLM_PLE_MMAP_PATH={out}")
+    print(f"serve it: PLE_TABLE={out} in .env (compose), or VLLM_PLE_MMAP_PATH={out} for `vllm serve`; "
+          f"check it later with --verify")
     return 0
 
 
@@ -219,9 +248,7 @@ def verify(args) -> int:
     ptf.check_table_file(out, layout)  # exists, readable, exact size
     want, got = hashlib.sha256(), hashlib.sha256()
     first_bad = None
-    with open(out, "rb") as f, tqdm(
-        total=layout.file_size, unit="B", unit_scale=True, desc="verify"
-    ) as bar:
+    with open(out, "rb") as f, _Bar(layout.file_size, "verify") as bar:
         for dense_id, k, data in stream_table(steps, args.chunk_kib << 10):
             have = f.read(len(data))
             want.update(data)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Needle-in-a-haystack under load: N concurrent long requests, one needle each.
 
-The reference (SPEC §2): 4 requests of 247,823 tokens held at once, needle
-4/4, preemption 0. Each request gets its own filler (no shared prefix, so the
+The reference (the write-up): 4 requests of 247,823 tokens held at once,
+needle 4/4, preemption 0. Each request gets its own filler (no shared prefix, so the
 server really holds N long contexts), one sentence
 
     The secret passphrase for room R is WORD-NNNN.
@@ -28,6 +28,7 @@ import random
 import re
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import oai_client as oc
@@ -67,6 +68,17 @@ def score(expected: str, answer: str) -> bool:
     return re.search(rf"(?<![a-z0-9-]){re.escape(expected.lower())}(?![a-z0-9])", normalize(answer)) is not None
 
 
+def clip(text: str, n: int) -> str:
+    """text on one line, cut at a word boundary within n characters ("..." marks a cut)."""
+    text = " ".join(text.split())
+    if len(text) <= n:
+        return text
+    cut = text[:n - 3]
+    if " " in cut[n // 2:]:
+        cut = cut[:cut.rindex(" ")]
+    return cut.rstrip(" ,;:") + "..."
+
+
 def run(client: oc.Client, model: str, *, requests: int, prompt_tokens: int, max_tokens: int, seed: int,
         use_tokenize: bool = True, extra_body: dict | None = None, log=print) -> dict:
     count = (lambda t: client.tokenize(model, t)) if use_tokenize else None
@@ -88,8 +100,26 @@ def run(client: oc.Client, model: str, *, requests: int, prompt_tokens: int, max
 
     log(f"sending {requests} requests of ~{prompt_tokens} tokens "
         f"({'measured' if measured is not None else 'estimated'} filler: {measured or round(n_words * oc.TOKENS_PER_WORD)})")
-    with ThreadPoolExecutor(max_workers=requests) as ex:
-        results = list(ex.map(one, jobs))
+    done = threading.Event()
+    finished = []
+
+    def ticker():  # long prompts take minutes: say so (no tqdm needed)
+        t0 = time.monotonic()
+        while not done.wait(30):
+            print(f"waiting: {len(finished)}/{requests} answered after {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def tracked(job):
+        r = one(job)
+        finished.append(r)
+        return r
+
+    threading.Thread(target=ticker, daemon=True).start()
+    try:
+        with ThreadPoolExecutor(max_workers=requests) as ex:
+            results = list(ex.map(tracked, jobs))
+    finally:
+        done.set()
     pre1 = client.preemptions()
     rows = []
     for i, ((_, code, depth), r) in enumerate(zip(jobs, results)):
@@ -120,8 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= 64:
         ap.error("--requests must be 1..64")
+    if args.json:
+        import os
+
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            ap.error(f"--json {args.json}: directory {d} does not exist or is not writable")
     client = oc.connect(args)
     if client is None:
+        return 2
+    try:
+        oc.check_model(client, args.model)
+    except oc.ClientError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     extra = dict(args.extra_body or {})
     if args.thinking != "default":
@@ -132,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| room | depth | expected | passed | TTFT s | prompt tokens | answer |")
     print("|---|---|---|---|---|---|---|")
     for x in res["requests"]:
-        ans = x["answer"].replace("\n", " ")[:60] if x["ok"] else f"HTTP {x['status']}: {x['error'][:60]}"
+        ans = clip(x["answer"], 60) if x["ok"] else clip(f"HTTP {x['status']}: {x['error']}", 100)
         print(f"| {x['room']} | {x['depth']} | {x['expected']} | {'PASS' if x['passed'] else 'FAIL'} | "
               f"{oc.fmt(x['ttft_s'], '.2f')} | {x['prompt_tokens_server'] or '-'} | {ans} |")
     pre = "n/a (no /metrics)" if res["preemptions"] is None else f"{res['preemptions']:g}"

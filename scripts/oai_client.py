@@ -48,8 +48,10 @@ class ClientError(Exception):
 
 def add_common_args(ap, *, model: bool = True) -> None:
     """--base-url, --api-key, --model, --timeout: the same in every tool."""
-    ap.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", DEFAULT_BASE_URL),
-                    help="OpenAI-compatible base URL, with /v1 (default: $OPENAI_BASE_URL or %(default)s)")
+    ap.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL") or env_base_url(),
+                    help="OpenAI-compatible base URL, with /v1 (default: $OPENAI_BASE_URL, else "
+                         "http://127.0.0.1:$PORT/v1 with PORT (and HOST_BIND) from the environment or "
+                         "the repo's .env: %(default)s)")
     ap.add_argument("--api-key", default=None,
                     help=f"Bearer token (default: ${API_KEY_ENV}, else $OPENAI_API_KEY, else none)")
     if model:
@@ -58,6 +60,42 @@ def add_common_args(ap, *, model: bool = True) -> None:
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds one request may take in total (default: %(default)s; a 250k-token "
                          "cold prefill takes minutes)")
+
+
+def dotenv_value(name: str, path: str | None = None) -> str | None:
+    """NAME's value in the repository's .env (the file compose reads), or None.
+    Plain NAME=VALUE lines only (quotes stripped); no interpolation."""
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".env")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    val = None
+    for ln in lines:
+        m = re.match(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$", ln)
+        if m and m.group(1) == name:
+            v = m.group(2)
+            if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+                v = v[1:-1]
+            elif " #" in v:
+                v = v.split(" #", 1)[0].rstrip()
+            val = v
+    return val
+
+
+def env_base_url() -> str:
+    """http://HOST:PORT/v1 of the compose service: PORT and HOST_BIND from the
+    environment, else from the repo's .env (compose publishes ${PORT:-8000}
+    on ${HOST_BIND:-127.0.0.1}); 0.0.0.0 / :: mean "every interface", so
+    127.0.0.1 is asked."""
+    port = os.environ.get("PORT") or dotenv_value("PORT") or "8000"
+    host = os.environ.get("HOST_BIND") or dotenv_value("HOST_BIND") or "127.0.0.1"
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}/v1"
 
 
 def api_key_from(args) -> str | None:
@@ -95,6 +133,11 @@ class StreamResult:
         """usage.prompt_tokens_details.cached_tokens (vLLM sends it with
         --enable-prompt-tokens-details), else None."""
         return cached_tokens_of(self.usage)
+
+    @property
+    def e2e(self) -> float | None:
+        """Request sent -> stream ended (end-to-end latency)."""
+        return None if self.t_end is None else self.t_end - self.t_start
 
     @property
     def ttft(self) -> float | None:
@@ -373,6 +416,27 @@ def check_server(client: Client, what: str = "server") -> None:
                           "to the server's API key")
     if status != 200:
         raise ClientError(f"{client.url('/models')} answered {status}: {raw[:300].decode(errors='replace')}")
+
+
+def served_models(client: Client) -> list[str] | None:
+    """The ids /v1/models lists, or None when it cannot be read."""
+    status, raw = client.request("GET", "/models", timeout=15.0)
+    if status != 200:
+        return None
+    try:
+        return [m.get("id") for m in json.loads(raw).get("data") or [] if isinstance(m, dict)]
+    except (ValueError, AttributeError):
+        return None
+
+
+def check_model(client: Client, model: str) -> None:
+    """Fail before the run when the server does not serve `model` (else every
+    request would answer 404)."""
+    ids = served_models(client)
+    if ids is not None and model not in ids:
+        raise ClientError(f"the server does not serve model {model!r}; it serves: "
+                          f"{', '.join(map(str, ids)) or 'nothing'}. Pass --model with one of those "
+                          "(or set $OPENAI_MODEL)")
 
 
 # --------------------------------------------------------------------------

@@ -8,6 +8,12 @@
 # the server again. Exit 0 only if both requests answered 200 (and the
 # structured answer is JSON, unless the dummy weights ran into max_tokens).
 #
+# The PLE table: compose mounts $PLE_TABLE and the server checks its size
+# (102,400,491,520 B for this model) before loading. Dummy weights never need
+# its contents, so by default the smoke run mounts a sparse stand-in of that
+# size (no disk space, no extraction first); SMOKE_PLE_TABLE=/path/to/table
+# mounts a real one instead. Only MODEL_DIR (config.json + tokenizer) is read.
+#
 # Usage: scripts/smoke.sh [--direct] [--dry-run] [--help]
 #   default   `docker compose run` of the `vllm` service (its GPUs, mounts and
 #             env), with the service's own command (from `docker compose config`)
@@ -28,6 +34,9 @@
 #   COMPOSE             compose command (default "docker compose"; e.g. podman-compose)
 #   CONTAINER_CLI       docker or podman (default docker), for logs/stop
 #   SMOKE_COMPOSE_FILES compose files (default compose.yaml), space separated
+#   SMOKE_PLE_TABLE     compose mode: the table file to mount (default: a sparse
+#                       stand-in in the work dir, since dummy weights read no row)
+#   SMOKE_PLE_BYTES     size of the sparse stand-in (default 102400491520)
 set -euo pipefail
 
 MODE=compose
@@ -36,7 +45,7 @@ for a in "$@"; do
   case "$a" in
     --direct) MODE=direct ;;
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "smoke.sh: unknown argument $a (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -106,8 +115,18 @@ serve_args+=(--load-format dummy --max-model-len "$LEN" --port "$listen_port")
 [[ $MODE == direct ]] && serve_args+=(--host 127.0.0.1)
 if [[ -n "${SMOKE_EXTRA_ARGS:-}" ]]; then read -r -a extra <<<"$SMOKE_EXTRA_ARGS"; serve_args+=("${extra[@]}"); fi
 
+PLE_BYTES="${SMOKE_PLE_BYTES:-102400491520}"
+STANDIN=""
 if [[ $MODE == compose ]]; then
-  start_cmd=("${compose_cmd[@]}" "${compose_f[@]}" run --rm -d --name "$CONTAINER" -p "127.0.0.1:${PORT}:8000" vllm "${serve_args[@]}")
+  if [[ -n "${SMOKE_PLE_TABLE:-}" ]]; then
+    [[ $DRY == 1 || -f "$SMOKE_PLE_TABLE" ]] || die "SMOKE_PLE_TABLE=$SMOKE_PLE_TABLE: no such file"
+    ple_file="$SMOKE_PLE_TABLE"
+  else
+    STANDIN="$WORK/ple-standin.bin"
+    ple_file="$STANDIN"
+  fi
+  # compose reads PLE_TABLE from the environment before .env
+  start_cmd=(env "PLE_TABLE=$ple_file" "${compose_cmd[@]}" "${compose_f[@]}" run --rm -d --name "$CONTAINER" -p "127.0.0.1:${PORT}:8000" vllm "${serve_args[@]}")
   logs_cmd=("$CLI" logs "$CONTAINER")
   stop_cmd=("$CLI" stop -t 30 "$CONTAINER")
 else
@@ -116,6 +135,10 @@ fi
 
 if [[ $DRY == 1 ]]; then
   say "# smoke plan ($MODE mode): start, wait for $BASE/health (up to ${TIMEOUT} s), chat + json_schema request, gates line, stop"
+  if [[ -n "$STANDIN" ]]; then
+    say "# PLE table: a sparse stand-in of $PLE_BYTES bytes (dummy weights read no row; SMOKE_PLE_TABLE=FILE for a real one)"
+    show truncate -s "$PLE_BYTES" "$STANDIN"
+  fi
   show "${start_cmd[@]}"
   if [[ $MODE == compose ]]; then show "${logs_cmd[@]}"; show "${stop_cmd[@]}"; fi
   exit 0
@@ -137,6 +160,11 @@ if [[ $MODE == compose ]] && [[ -n "$(cd "$HERE" && "${compose_cmd[@]}" "${compo
   die "the vllm service is running and holds the GPUs: stop it first ($COMPOSE down)"
 fi
 
+if [[ -n "$STANDIN" ]]; then
+  say "smoke: PLE table: a sparse stand-in of $PLE_BYTES bytes at $STANDIN (no disk space; dummy weights read no row)"
+  truncate -s "$PLE_BYTES" "$STANDIN" 2>/dev/null ||
+    die "could not make a sparse $PLE_BYTES-byte file in $WORK (set TMPDIR to a filesystem with sparse files, or SMOKE_PLE_TABLE to the real table)"
+fi
 show "${start_cmd[@]}"
 if [[ $MODE == compose ]]; then
   (cd "$HERE" && "${start_cmd[@]}") >"$LOG" 2>&1 || { cat "$LOG" >&2; die "could not start the container"; }

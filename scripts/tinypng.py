@@ -1,14 +1,18 @@
-"""A tiny PNG plotter in pure Python (zlib + struct), for the client tools.
+"""Charts for the client tools: matplotlib where installed, else a tiny PNG plotter in pure Python.
 
-The tools must run on a serving host without matplotlib, so charts are drawn
-here: an RGB canvas, lines, filled rectangles, a 5x7 bitmap font (upper case,
-digits and common punctuation; lower case is drawn in capitals) and two chart
-helpers, `line_chart` and `bar_chart`. Output is an 8-bit RGB PNG.
+The tools must run on a serving host without matplotlib, so every chart has a
+fallback drawn here: an RGB canvas, lines, filled rectangles, a 5x7 bitmap
+font (upper case, digits and common punctuation; lower case is drawn in
+capitals) and two chart helpers, `line_chart` and `bar_chart`. Output is an
+8-bit RGB PNG. Both backends draw a title, axis labels and a legend.
+`pyplot()` gives matplotlib (Agg) or None; TINYPNG_BACKEND=tinypng forces the
+fallback (TINYPNG_BACKEND=matplotlib insists on matplotlib).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import struct
 import zlib
 
@@ -80,6 +84,23 @@ GLYPH_W, GLYPH_H = 5, 7
 PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 BLACK, WHITE, GREY, LIGHT = (0, 0, 0), (255, 255, 255), (120, 120, 120), (225, 225, 225)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (not installed, or TINYPNG_BACKEND=tinypng)."""
+    want = os.environ.get("TINYPNG_BACKEND", "auto")
+    if want == "tinypng":
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if want == "matplotlib":
+            raise
+        return None
+    return plt
 
 
 def glyph(ch: str) -> list[str]:
@@ -250,7 +271,32 @@ class _Frame:
 def line_chart(series: dict[str, list[tuple[float, float]]], path: str, title: str = "",
                xlabel: str = "", ylabel: str = "", width: int = 720, height: int = 420,
                log2_x: bool = False) -> None:
-    """One polyline per series; x positions are the union of all xs (categorical if log2_x)."""
+    """One polyline per series; x positions are the union of all xs (categorical if log2_x).
+    Returns the backend used ("matplotlib" or "tinypng")."""
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(width / 100, height / 100), dpi=100)
+        xs_all = sorted({x for s in series.values() for x, y in s if y is not None})
+        for name, s in series.items():
+            s = sorted((x, y) for x, y in s if y is not None)
+            if s:
+                ax.plot([x for x, _ in s], [y for _, y in s], marker="o", label=name)
+        if log2_x and xs_all and min(xs_all) > 0:
+            ax.set_xscale("log", base=2)
+        if xs_all:
+            ax.set_xticks(xs_all)
+            ax.set_xticklabels([_tick_label(x) for x in xs_all])
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if series:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return "matplotlib"
     pts = [(x, y) for s in series.values() for x, y in s if y is not None]
     ys = [y for _, y in pts] or [0.0, 1.0]
     xs = sorted({x for x, _ in pts}) or [0.0, 1.0]
@@ -279,11 +325,34 @@ def line_chart(series: dict[str, list[tuple[float, float]]], path: str, title: s
         c.rect(lx, ly + 1, lx + 10, ly + 6, col)
         c.text(lx + 14, ly, name[:30])
     c.save(path)
+    return "tinypng"
 
 
 def bar_chart(groups: list[str], series: dict[str, list[float | None]], path: str, title: str = "",
               ylabel: str = "", width: int = 0, height: int = 520) -> None:
-    """Grouped bars: groups along x, one bar per series in each group (values may be negative)."""
+    """Grouped bars: groups along x, one bar per series in each group (values may be negative).
+    Returns the backend used ("matplotlib" or "tinypng")."""
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(max(6.4, 1.2 + 0.5 * len(groups) * max(1, len(series))), height / 100),
+                               dpi=100)
+        n = max(1, len(series))
+        bw = 0.8 / n
+        for k, (name, s) in enumerate(series.items()):
+            xs = [g + (k - (n - 1) / 2) * bw for g in range(len(groups))]
+            ax.bar([x for x, v in zip(xs, s) if v is not None], [v for v in s if v is not None], bw, label=name)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(groups, rotation=60, ha="right")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        if series:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return "matplotlib"
     vals = [v for s in series.values() for v in s if v is not None] or [0.0]
     width = width or max(480, 90 + len(groups) * (18 * max(1, len(series)) + 30))
     lo, hi = min(0.0, min(vals)), max(0.0, max(vals))
@@ -313,3 +382,4 @@ def bar_chart(groups: list[str], series: dict[str, list[float | None]], path: st
         c.rect(lx, ly + 1, lx + 10, ly + 6, PALETTE[k % len(PALETTE)])
         c.text(lx + 14, ly, name[:30])
     c.save(path)
+    return "tinypng"

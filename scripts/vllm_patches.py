@@ -15,7 +15,8 @@ Commands
                    the vllm/ package dir); `--check` verifies instead
   revert TARGET    reverse-apply what the manifest says was applied
   combine OUT DIR...  a tree whose series is the union of several patch dirs
-                   (parallel branches), cherry-picked in numeric order
+                   (parallel branches), cherry-picked in numeric order; stops when
+                   one patch really differs between dirs (--take / --prefer-changed)
   gates            print the gates table (markdown) from the patch headers
 
 Why our own applier instead of `patch`/`git apply`: both accept hunks at an
@@ -342,10 +343,10 @@ class Target:
     def dist_info(self) -> Path:
         cands = sorted(self.root.glob("vllm-*.dist-info"))
         if not cands:
-            raise PatchError(f"{self.root}: no vllm-*.dist-info next to vllm/; reinstall vllm=={PIN_VERSION}")
+            raise PatchError(f"{self.root}: no vllm-*.dist-info next to vllm/; reinstall: `{reinstall_cmd()}`")
         if len(cands) > 1:
             raise PatchError(f"{self.root}: several vllm dist-info dirs ({', '.join(c.name for c in cands)}); "
-                             f"reinstall vllm=={PIN_VERSION} cleanly")
+                             f"reinstall cleanly: `{reinstall_cmd()}`")
         return cands[0]
 
     def version(self) -> str:
@@ -464,16 +465,19 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
         m = json.loads(manifest_path.read_text())
         if m.get("state") != "complete":
             raise PatchError(
-                f"{target.root}: half-applied tree (manifest state {m.get('state')!r}); "
-                f"reinstall vllm=={PIN_VERSION} and apply again")
+                f"{target.root}: half-applied tree (manifest state {m.get('state')!r}): "
+                f"`{Path(sys.argv[0]).name} revert {target.root}` restores it, or reinstall with "
+                f"`{reinstall_cmd()}`; then apply again")
         raise PatchError(
             f"{target.root}: the series is already applied ({len(m['series'])} patches, "
             f"see {manifest_path}); use `apply --check` to verify it or `revert` first")
     check_version(target)
     patches = load_series(patch_dir)
     verify_base(target, patches)
-    # Dry run of the whole series before anything is written.
+    # Dry run of the whole series before anything is written, compile included:
+    # a patch that leaves a SyntaxError is refused with the tree untouched.
     final = simulate(patches, target.read)
+    compile_in_memory(final, patches, target)
     manifest = {
         "tool": "vllm-3x3090 scripts/vllm_patches.py",
         "base": f"vllm {PIN_VERSION}",
@@ -484,7 +488,10 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
              "files": [fp.path for fp in p.files]}
             for p in patches
         ],
-        "files": {},
+        # The final digests are known before writing: `revert` can restore a
+        # tree that an interrupted apply left half-written.
+        "files": {rel: (sha256_bytes(text.encode()) if text is not None else None)
+                  for rel, text in sorted(final.items())},
     }
     target.manifest_dir.mkdir(parents=True, exist_ok=True)
     _write_json(manifest_path, manifest)
@@ -496,10 +503,9 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
         if text is not None and rel.endswith(".py"):
             try:
                 py_compile.compile(str(target.root / rel), doraise=True)
-            except py_compile.PyCompileError as e:
-                raise PatchError(f"{rel}: does not compile after patching: {e.msg}") from e
-    manifest["files"] = {rel: (sha256_bytes(text.encode()) if text is not None else None)
-                         for rel, text in sorted(final.items())}
+            except py_compile.PyCompileError as e:  # compiled in memory above: not expected
+                raise PatchError(f"{rel}: does not compile after patching: {e.msg}; "
+                                 f"`revert {target.root}` restores the tree") from e
     manifest["state"] = "complete"
     _write_json(manifest_path, manifest)
     log(f"applied {len(patches)} patches to {target.root} (vllm {PIN_VERSION}); manifest {manifest_path}")
@@ -508,13 +514,34 @@ def apply_series(target: Target, patch_dir: Path = PATCH_DIR, log=print) -> dict
     return manifest
 
 
+def reinstall_cmd() -> str:
+    return f"pip install --force-reinstall --no-deps vllm=={PIN_VERSION}"
+
+
+def compile_in_memory(final: dict[str, str | None], patches: list[Patch], target: Target) -> None:
+    """Compile every patched .py from memory; PatchError naming the file, the
+    line and the patches that touch it, before anything is written."""
+    for rel, text in sorted(final.items()):
+        if text is None or not rel.endswith(".py"):
+            continue
+        try:
+            compile(text, str(target.root / rel), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:
+            who = [p.name for p in patches if any(fp.path == rel for fp in p.files)]
+            where = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+            raise PatchError(f"{rel}{where}: does not compile after patching ({e.__class__.__name__}: "
+                             f"{getattr(e, 'msg', e)}); touched by {', '.join(who)}. Nothing was written; "
+                             "fix the patch in the development tree and export again") from e
+
+
 def check_applied(target: Target, patch_dir: Path | None = PATCH_DIR) -> dict:
     check_version(target)
     if not target.manifest_path.exists():
         raise PatchError(f"{target.root}: not patched (no {target.manifest_path})")
     m = json.loads(target.manifest_path.read_text())
     if m.get("state") != "complete":
-        raise PatchError(f"{target.root}: half-applied tree (manifest state {m.get('state')!r})")
+        raise PatchError(f"{target.root}: half-applied tree (manifest state {m.get('state')!r}): "
+                         f"`revert {target.root}` restores it, or reinstall with `{reinstall_cmd()}`")
     problems = []
     for rel, digest in m["files"].items():
         p = target.root / rel
@@ -541,7 +568,8 @@ def revert_series(target: Target, log=print) -> None:
         raise PatchError(f"{target.root}: not patched (no manifest)")
     m = json.loads(target.manifest_path.read_text())
     if m.get("state") != "complete":
-        raise PatchError(f"{target.root}: half-applied tree; reinstall vllm=={PIN_VERSION}")
+        revert_half_applied(target, m, log)
+        return
     check_applied(target, patch_dir=None)
     patches = [parse_patch(e["name"], (target.manifest_dir / e["name"]).read_bytes()) for e in m["series"]]
     final = simulate(patches, target.read, reverse=True)
@@ -557,6 +585,51 @@ def revert_series(target: Target, log=print) -> None:
                 pyc.unlink()
     shutil.rmtree(target.manifest_dir)
     log(f"reverted {len(patches)} patches in {target.root}")
+
+
+def revert_half_applied(target: Target, m: dict, log=print) -> None:
+    """Restore a tree an interrupted apply left half-written: each touched
+    file is pristine (RECORD), patched (the manifest's digest: reverse-applied)
+    or foreign (refused, named)."""
+    if not m.get("files"):
+        raise PatchError(f"{target.root}: half-applied tree from an older apply (no file digests in "
+                         f"{target.manifest_path}); reinstall with `{reinstall_cmd()}` and apply again")
+    patches = [parse_patch(e["name"], (target.manifest_dir / e["name"]).read_bytes()) for e in m["series"]]
+    record = target.record()
+    to_reverse, to_delete, bad = set(), [], []
+    for rel, digest in m["files"].items():
+        p = target.root / rel
+        data = p.read_bytes() if p.exists() else None
+        if rel in record:
+            if data is not None and record_digest(data) == record[rel]:
+                continue  # not written yet
+            if data is not None and digest is not None and sha256_bytes(data) == digest:
+                to_reverse.add(rel)
+            elif data is None and digest is None:
+                to_reverse.add(rel)  # deleted by the series: reverse-apply recreates it
+            else:
+                bad.append(rel)
+        elif data is not None:  # created by the series
+            if digest is not None and sha256_bytes(data) == digest:
+                to_delete.append(rel)
+            else:
+                bad.append(rel)
+    if bad:
+        raise PatchError(f"{target.root}: half-applied tree with files that are neither pristine nor "
+                         f"patched: {', '.join(bad)}; reinstall with `{reinstall_cmd()}` and apply again")
+    only = [Patch(p.name, p.raw, p.header, [fp for fp in p.files if fp.path in to_reverse]) for p in patches]
+    final = simulate([p for p in only if p.files], target.read, reverse=True)
+    for rel, text in final.items():
+        if text is None or record_digest(text.encode()) != record.get(rel):
+            raise PatchError(f"{rel}: reverse-apply does not restore the RECORD hash; reinstall with "
+                             f"`{reinstall_cmd()}`")
+    for rel, text in final.items():
+        target.write(rel, text)
+    for rel in to_delete:
+        (target.root / rel).unlink()
+    shutil.rmtree(target.manifest_dir)
+    log(f"reverted a half-applied series in {target.root} ({len(final)} files restored, "
+        f"{len(to_delete)} removed)")
 
 
 def _write_json(path: Path, obj) -> None:
@@ -697,9 +770,76 @@ def export_tree(src: Path, patch_dir: Path = PATCH_DIR, log=print) -> list[str]:
     return names
 
 
-def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
-    """A tree whose series is the union of several patch dirs, by patch name
-    (a later dir wins), cherry-picked on pristine in numeric order.
+def patch_identity(raw: bytes) -> tuple:
+    """What a patch changes, without what moves when it is rebased: its header
+    and, per file, the removed/added lines (no hunk positions, context lines or
+    index blob ids). Two copies with the same identity are the same patch made
+    on different bases."""
+    p = parse_patch("x", raw)
+    return (p.header.strip(),
+            tuple((fp.old_path, fp.new_path, tuple((t, x) for h in fp.hunks for t, x in h.lines if t != " "))
+                  for fp in p.files))
+
+
+def choose_copies(patch_dirs: list[Path], take: dict[str, Path] | None = None,
+                  prefer_changed: bool = False, log=print) -> dict[str, int]:
+    """Patch name -> index of the dir whose copy combine uses. Copies that
+    differ only by their base (line numbers, context) are one patch (the later
+    dir's copy is used). Copies that really differ stop the combine
+    (PatchError naming every file) unless --take NAME=DIR picks one, or
+    prefer_changed and exactly one copy differs from the first dir's (the
+    base: the one branch that edited the patch)."""
+    take = {(k if k.endswith(".patch") else k + ".patch"): Path(v).resolve() for k, v in (take or {}).items()}
+    versions: dict[str, list[tuple[int, tuple]]] = {}
+    for i, d in enumerate(patch_dirs):
+        for p in load_series(d):
+            versions.setdefault(p.name, []).append((i, patch_identity(p.raw)))
+    unknown = set(take) - set(versions)
+    if unknown:
+        raise PatchError(f"--take names {', '.join(sorted(unknown))}, which no dir's series has")
+    chosen: dict[str, int] = {}
+    conflicts = []
+    for name, vs in sorted(versions.items()):
+        distinct = list(dict.fromkeys(ident for _, ident in vs))
+        if name in take:
+            idx = [i for i, _ in vs if patch_dirs[i].resolve() == take[name]]
+            if not idx:
+                raise PatchError(f"--take {name}={take[name]}: that dir is not one of the combined dirs "
+                                 f"or has no {name} (it is in: {', '.join(str(patch_dirs[i]) for i, _ in vs)})")
+            chosen[name] = idx[-1]
+            if len(distinct) > 1:
+                log(f"{name}: copies differ; using {patch_dirs[idx[-1]] / name} (--take)")
+            continue
+        if len(distinct) == 1:
+            chosen[name] = vs[-1][0]
+            continue
+        base = vs[0][1] if vs[0][0] == 0 else None
+        changed = [ident for ident in distinct if ident != base]
+        if prefer_changed and base is not None and len(changed) == 1:
+            chosen[name] = next(i for i, ident in vs if ident == changed[0])
+            log(f"{name}: copies differ; using the one copy changed from the base: "
+                f"{patch_dirs[chosen[name]] / name} (--prefer-changed)")
+            continue
+        groups = []
+        for ident in distinct:
+            groups.append(" = ".join(str(patch_dirs[i] / name) for i, x in vs if x == ident))
+        conflicts.append(f"{name}: {len(distinct)} different copies: " + " | ".join(groups))
+    if conflicts:
+        raise PatchError(
+            "the same patch differs between the dirs (not only in line numbers or context), and combine "
+            "keeps one copy per patch, it cannot merge two edits of one patch:\n  " + "\n  ".join(conflicts)
+            + "\nPick the copy to keep with --take NAME=DIR (repeatable), or --prefer-changed (keep the one copy "
+            "that differs from the first dir's, when only one does); to keep two edits, apply one on a `tree` "
+            "of the other and export")
+    return chosen
+
+
+def combine_trees(dest: Path, patch_dirs: list[Path], log=print, take: dict[str, Path] | None = None,
+                  prefer_changed: bool = False) -> list[str]:
+    """A tree whose series is the union of several patch dirs, by patch name,
+    cherry-picked on pristine in numeric order. A patch whose copies really
+    differ between the dirs stops it before anything is built (see
+    choose_copies: --take / --prefer-changed).
 
     This is how branches that each grew their own patches merge: git's 3-way
     cherry-pick re-derives the line numbers that the strict applier needs
@@ -710,6 +850,7 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
     """
     if dest.exists() and any(dest.iterdir()):
         raise PatchError(f"{dest} exists and is not empty")
+    chosen = choose_copies(patch_dirs, take, prefer_changed, log=log)
     picks: dict[str, tuple[int, str]] = {}
     for i, d in enumerate(patch_dirs):
         if i == 0:
@@ -722,7 +863,8 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
             shutil.rmtree(src)
         for c in git(dest, "rev-list", "--reverse", f"pristine..src-{i}").decode().split():
             subject = git(dest, "log", "-1", "--format=%s", c).decode().strip()
-            picks[subject] = (i, c)
+            if chosen.get(subject + ".patch", i) == i:
+                picks[subject] = (i, c)
     git(dest, "checkout", "-q", "-B", "series", "refs/tags/pristine")
     for subject in sorted(picks):
         i, c = picks[subject]
@@ -736,8 +878,15 @@ def combine_trees(dest: Path, patch_dirs: list[Path], log=print) -> list[str]:
     return sorted(picks)
 
 
+def spec_items(spec_field: str) -> str:
+    """The item ids of a Spec: field (decode-04, ttft-01, pinned-pool ...),
+    without its section numbers and tracker references, which a clone of the
+    repository cannot follow (the README stays self-contained)."""
+    return ", ".join(dict.fromkeys(re.findall(r"\b[a-z][a-z0-9]*(?:-[a-z0-9]+)+\b", spec_field)))
+
+
 def gates_table(patch_dir: Path = PATCH_DIR) -> str:
-    rows = ["| patch | gate | default | spec | what |", "|---|---|---|---|---|"]
+    rows = ["| patch | gate | default | item | what |", "|---|---|---|---|---|"]
     for p in load_series(patch_dir):
         f = p.fields
         gate_field = f.get("Gate", "")
@@ -746,7 +895,7 @@ def gates_table(patch_dir: Path = PATCH_DIR) -> str:
         if m:
             default = m.group(1)
         desc = f.get("Description", "").split("\n")[0].replace("|", "\\|")
-        rows.append(f"| `{Path(p.name).stem}` | `{p.gate}` | {default} | {f.get('Spec', '')} | {desc} |")
+        rows.append(f"| `{Path(p.name).stem}` | `{p.gate}` | {default} | {spec_items(f.get('Spec', ''))} | {desc} |")
     return "\n".join(rows) + "\n"
 
 
@@ -800,6 +949,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("combine", help="tree = union of several patch dirs, in numeric order")
     c.add_argument("dir", type=Path)
     c.add_argument("patch_dirs", type=Path, nargs="+")
+    c.add_argument("--take", action="append", default=[], metavar="PATCH=DIR",
+                   help="when PATCH's copies differ between the dirs, use DIR's (repeatable)")
+    c.add_argument("--prefer-changed", action="store_true",
+                   help="when a patch's copies differ, use the one copy that differs from the first dir's "
+                        "(the base), if only one does")
     a = sub.add_parser("apply", help="apply the series to an installed vllm")
     a.add_argument("target", help="site-packages dir (containing vllm/) or the vllm/ package dir")
     a.add_argument("--check", action="store_true", help="verify an applied tree against its manifest")
@@ -815,7 +969,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "tree":
             make_tree(args.dir.resolve(), args.patches)
         elif args.cmd == "combine":
-            combine_trees(args.dir.resolve(), [d.resolve() for d in args.patch_dirs])
+            take = {}
+            for kv in args.take:
+                k, sep, v = kv.partition("=")
+                if not sep or not k or not v:
+                    raise PatchError(f"--take {kv!r}: give PATCH=DIR, e.g. 0100-ple-pp-mmap=../b/patches")
+                take[k] = Path(v)
+            combine_trees(args.dir.resolve(), [d.resolve() for d in args.patch_dirs], take=take,
+                          prefer_changed=args.prefer_changed)
         elif args.cmd == "export":
             export_tree(args.dir.resolve(), args.patches)
         elif args.cmd == "apply":

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import random
 import re
 import socket
@@ -68,6 +69,11 @@ class FakeConfig:
     stream_error_after: int | None = None  # stream: after this many tokens send an error event
     abort_after: int | None = None  # stream: after this many tokens close the connection
     itl_file: str | None = None  # if this file exists, its number replaces `itl` (set by fake_compose.py)
+    ttft_file: str | None = None  # the same for `ttft`
+    unhealthy_file: str | None = None  # while this file exists, /health answers 503
+    # usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details): a prompt
+    # sent before counts its whole 16-token blocks as cached, a new one 0
+    report_cached: bool = False
 
 
 class FakeState:
@@ -83,6 +89,7 @@ class FakeState:
         # a loaded machine; the measurement must follow what was sent).
         self.sent_gaps: list[float] = []
         self.noise = random.Random(cfg.noise_seed)
+        self.seen_prompts: set[str] = set()
 
     def itl(self, i: int) -> float:
         d = self.cfg.itl
@@ -173,7 +180,8 @@ class Handler(BaseHTTPRequestHandler):
         if not self.authorized():
             return
         if self.path == "/health":
-            self.send_text(200, "")
+            uf = self.st.cfg.unhealthy_file
+            self.send_text(503 if uf and os.path.exists(uf) else 200, "")
         elif self.path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [{"id": self.st.cfg.model, "object": "model"}]})
         elif self.path == "/metrics" and self.st.cfg.metrics:
@@ -248,9 +256,21 @@ class Handler(BaseHTTPRequestHandler):
             if cfg.preempt_above is not None and st.active > cfg.preempt_above:
                 cfg.preemptions += 1
         try:
-            delay = cfg.ttft + cfg.prefill_per_token * n_prompt
+            ttft = cfg.ttft
+            if cfg.ttft_file:
+                try:
+                    with open(cfg.ttft_file) as f:
+                        ttft = float(f.read())
+                except (OSError, ValueError):
+                    pass
+            delay = ttft + cfg.prefill_per_token * n_prompt
             usage = {"prompt_tokens": n_prompt, "completion_tokens": len(pieces),
                      "total_tokens": n_prompt + len(pieces)}
+            if cfg.report_cached:
+                with st.lock:
+                    seen = prompt in st.seen_prompts
+                    st.seen_prompts.add(prompt)
+                usage["prompt_tokens_details"] = {"cached_tokens": n_prompt // 16 * 16 if seen else 0}
             if not body.get("stream"):
                 time.sleep(delay + sum(st.itl(i) for i in range(max(0, len(pieces) - 1))))
                 self.send_json(200, {"id": "chatcmpl-fake", "object": "chat.completion", "model": cfg.model,

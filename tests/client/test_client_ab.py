@@ -100,7 +100,8 @@ def test_gates_from_repo_series_and_patch_headers(tmp_path, capsys):
     import vllm_patches as vp
 
     series = vp.load_series(repo_patches)
-    flips = [p.gate for p in series if p.gate != "VLLM_PATCH_GATES_LOG" and not vp.is_opt_in(p)]
+    flips = [p.gate for p in series if p.gate not in ab.NOT_AB and not vp.is_opt_in(p)
+             and not ab.needs_mtp(p.gate)]
     n = len(flips) + 1
     assert "# skipped VLLM_PATCH_GATES_LOG" in out and f"## [1/{n}] baseline" in out
     for i, g in enumerate(flips, start=2):
@@ -125,8 +126,11 @@ def test_parse_gates_line():
 
 def fake_env(monkeypatch, tmp_path, **extra):
     env = {"FAKE_COMPOSE_LOG": str(tmp_path / "compose.log"), "FAKE_COMPOSE_GATES": ",".join(GATES),
-           "FAKE_COMPOSE_ITL_FILE": str(tmp_path / "itl"), "FAKE_COMPOSE_ITL": json.dumps({"VLLM_PLE_PREFETCH": 0.012}),
-           "FAKE_COMPOSE_ITL_BASE": "0.006", "FAKE_COMPOSE_MANIFEST": str(tmp_path / "manifest.json")}
+           "FAKE_COMPOSE_ITL_FILE": str(tmp_path / "itl"),
+           "FAKE_COMPOSE_ITL": json.dumps({"VLLM_PP_DEFERRED_RECV": 0.016}), "FAKE_COMPOSE_ITL_BASE": "0.004",
+           "FAKE_COMPOSE_TTFT_FILE": str(tmp_path / "ttft"),
+           "FAKE_COMPOSE_TTFT": json.dumps({"VLLM_PLE_PREFETCH": 0.3}), "FAKE_COMPOSE_TTFT_BASE": "0.1",
+           "FAKE_COMPOSE_MANIFEST": str(tmp_path / "manifest.json")}
     env.update(extra)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -146,38 +150,49 @@ def ab_args(srv, work, *more):
             "--runs", "2", "--no-tokenize", "--timeout", "20"]
 
 
-def test_full_run_is_resumable_and_reports_contributions(tmp_path, monkeypatch, capsys):
-    fake_env(monkeypatch, tmp_path, FAKE_COMPOSE_FAIL_UP="VLLM_PP_DEFERRED_RECV")
+def test_full_run_goes_past_a_failed_variant_resumes_and_scores_each_gate_on_its_metric(
+        tmp_path, monkeypatch, capsys):
+    fake_env(monkeypatch, tmp_path, FAKE_COMPOSE_FAIL_UP="VLLM_PLE_PREFETCH")
     work = tmp_path / "work"
-    with FakeServer(FakeConfig(ttft=0.01, itl=0.006, itl_file=str(tmp_path / "itl"))) as srv:
-        # 1st run: the 3rd variant's container fails to start -> stop, state keeps the first two
-        assert ab.main(ab_args(srv, work)) == 2
-        assert "VLLM_PP_DEFERRED_RECV=0: compose up failed" in capsys.readouterr().err
+    cfg = FakeConfig(ttft=0.1, itl=0.004, itl_file=str(tmp_path / "itl"), ttft_file=str(tmp_path / "ttft"))
+    with FakeServer(cfg) as srv:
+        # 1st run: the 2nd variant's container fails to start -> recorded, the 3rd still runs
+        assert ab.main(ab_args(srv, work)) == 1
+        err = capsys.readouterr().err
+        assert "VLLM_PLE_PREFETCH=0: compose up failed" in err and "going on with the next variant" in err
+        assert "1 variant(s) failed: VLLM_PLE_PREFETCH=0" in err
         state = json.loads((work / "state.json").read_text())
-        assert list(state["variants"]) == ["baseline", "VLLM_PLE_PREFETCH=0"]
-        assert "[VLLM_PLE_PREFETCH]=off" in state["variants"]["VLLM_PLE_PREFETCH=0"]["gates_line"]
+        assert list(state["variants"]) == ["baseline", "VLLM_PLE_PREFETCH=0", "VLLM_PP_DEFERRED_RECV=0"]
+        assert "compose up failed" in state["variants"]["VLLM_PLE_PREFETCH=0"]["failed"]
+        assert "[VLLM_PP_DEFERRED_RECV]=off" in state["variants"]["VLLM_PP_DEFERRED_RECV=0"]["gates_line"]
+        assert "VLLM_PLE_PREFETCH=0" in (work / "ab-report.md").read_text().split("failed variants")[1]
         calls1 = compose_calls(tmp_path)
-        assert [c[-4:] for c in calls1 if "up" in c][-1] == ["up", "-d", "--force-recreate", "vllm"]
         assert calls1[-1][-4:] == ["up", "-d", "--force-recreate", "vllm"]
-        assert not any("override" in a for a in calls1[-1])  # restored without an override after the failure
+        assert not any("override" in a for a in calls1[-1])  # restored without an override
         n_chat1 = sum(p == "/v1/chat/completions" for p, _ in srv.state.requests)
         assert n_chat1 == 2 * 2  # 2 variants x 2 runs
-        # 2nd run: resumes; only the missing variant is benchmarked
+        # 2nd run: resumes; only the failed variant is benchmarked
         monkeypatch.delenv("FAKE_COMPOSE_FAIL_UP")
         assert ab.main(ab_args(srv, work)) == 0
         out = capsys.readouterr().out
         n_chat2 = sum(p == "/v1/chat/completions" for p, _ in srv.state.requests)
-    assert "== baseline: done earlier" in out and "== VLLM_PLE_PREFETCH=0: done earlier" in out
+    assert "== baseline: done earlier" in out and "== VLLM_PP_DEFERRED_RECV=0: done earlier" in out
     assert n_chat2 - n_chat1 == 2
     calls2 = compose_calls(tmp_path)[len(calls1):]
     ups = [c for c in calls2 if "up" in c]
-    assert len(ups) == 2 and any("override-VLLM_PP_DEFERRED_RECV_0.yaml" in a for a in ups[0])
+    assert len(ups) == 2 and any("override-VLLM_PLE_PREFETCH_0.yaml" in a for a in ups[0])
     report = json.loads((work / "ab-report.json").read_text())
     c = report["contributions"]
-    # ITL 6 ms with the patch, 12 ms without: the patch doubles tok/s (+100 %); the other gate: no change
-    assert 50 < c["VLLM_PLE_PREFETCH=0"]["0/warm/x1"] < 150, c
-    assert abs(c["VLLM_PP_DEFERRED_RECV=0"]["0/warm/x1"]) < 30, c
-    assert "| VLLM_PLE_PREFETCH=0 | 0/warm/x1 |" in (work / "ab-report.md").read_text()
+    assert report["metrics"] == {"VLLM_PLE_PREFETCH=0": "ttft", "VLLM_PP_DEFERRED_RECV=0": "decode"}
+    assert report["failed"] == {}
+    # prefetch: TTFT 0.1 s with the patch, 0.3 s without -> +200 % on TTFT (its decode is unchanged)
+    # (wide bounds: sleeps overshoot on a loaded machine)
+    assert 80 < c["VLLM_PLE_PREFETCH=0"]["0/warm/x1"] < 400, c
+    # deferred recv: ITL 4 ms with the patch, 16 ms without -> +300 % on decode tok/s
+    assert 80 < c["VLLM_PP_DEFERRED_RECV=0"]["0/warm/x1"] < 600, c
+    md = (work / "ab-report.md").read_text()
+    assert "| VLLM_PLE_PREFETCH=0 | TTFT | 0/warm/x1 |" in md
+    assert "| VLLM_PP_DEFERRED_RECV=0 | decode tok/s | 0/warm/x1 |" in md
     assert (work / "ab-contrib.png").read_bytes()[:4] == b"\x89PNG"
     # the API key reached bench_serving through the environment, never argv
     bench = json.loads((work / "VLLM_PLE_PREFETCH_0.json").read_text())
@@ -188,8 +203,56 @@ def test_gate_that_stays_on_is_refused(tmp_path, monkeypatch, capsys):
     fake_env(monkeypatch, tmp_path, FAKE_COMPOSE_STUCK="VLLM_PLE_PREFETCH")
     with FakeServer(FakeConfig(ttft=0.0, itl=0.001)) as srv:
         # no --manifest: read from the "container" through `compose exec`
-        assert ab.main(ab_args(srv, tmp_path / "w", "--no-restore")) == 2
+        assert ab.main(ab_args(srv, tmp_path / "w", "--no-restore")) == 1
     err = capsys.readouterr().err
     assert "reports VLLM_PLE_PREFETCH on after setting it to '0'" in err
     assert any(c[c.index("exec"):c.index("exec") + 4] == ["exec", "-T", "vllm", "python3"]
                for c in compose_calls(tmp_path) if "exec" in c)
+
+
+def test_dry_run_asks_no_container_and_skips_what_cannot_apply(tmp_path, capsys):
+    # a compose command that would fail if called: the dry run must not call it
+    base = ["--dry-run", "--work-dir", str(tmp_path), "--compose-cmd", "false"]
+    assert ab.main(base) == 0
+    out = capsys.readouterr().out
+    assert "this repository's series" in out
+    import vllm_patches as vp
+
+    gates = {p.gate for p in vp.load_series()}
+    for g in sorted(ab.NEEDS_MTP & gates):
+        assert f"# skipped {g}: acts only with MTP" in out and f"] {g}=0" not in out
+    if "VLLM_PINNED_POOL" in gates:
+        assert "# skipped VLLM_PINNED_POOL: =0 restores power-of-two" in out
+    if "VLLM_PLE_PREFETCH" in gates:
+        assert "scored on TTFT" in out and "--prefix both" in out
+    # with the MTP compose files, the MTP gates are planned
+    assert ab.main(base + ["-f", "compose.yaml", "-f", "compose/mtp.yaml", "--", "--prefix", "both"]) == 0
+    out = capsys.readouterr().out
+    for g in sorted(ab.NEEDS_MTP & gates):
+        assert f"] {g}=0" in out
+    assert "scored on TTFT" not in out
+    if ab.NEEDS_MTP & gates:
+        g = sorted(ab.NEEDS_MTP & gates)[0]
+        assert ab.main(base + ["--only", g]) == 2
+        assert "compose/mtp.yaml" in capsys.readouterr().err
+
+
+def test_a_variant_whose_engine_dies_is_not_waited_for(tmp_path, monkeypatch, capsys):
+    import time
+
+    fake_env(monkeypatch, tmp_path, FAKE_COMPOSE_FATAL="VLLM_PLE_PREFETCH",
+             FAKE_COMPOSE_UNHEALTHY_FILE=str(tmp_path / "unhealthy"))
+    work = tmp_path / "work"
+    cfg = FakeConfig(ttft=0.01, itl=0.001, unhealthy_file=str(tmp_path / "unhealthy"))
+    with FakeServer(cfg) as srv:
+        args = ab_args(srv, work, "--manifest", str(tmp_path / "manifest.json"), "--log-check-s", "0.2")
+        args[args.index("--health-timeout") + 1] = "60"
+        t0 = time.monotonic()
+        assert ab.main(args) == 1
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert "VLLM_PLE_PREFETCH=0: the server failed to start" in err and "Engine core initialization failed" in err
+    assert took < 30  # not the 60 s health timeout
+    state = json.loads((work / "state.json").read_text())
+    assert "failed to start" in state["variants"]["VLLM_PLE_PREFETCH=0"]["failed"]
+    assert "json" in state["variants"]["VLLM_PP_DEFERRED_RECV=0"]  # the next variant ran

@@ -146,3 +146,131 @@ def test_broken_streams_are_errors_and_requests_are_bounded():
         r = oc.Client(srv.base_url, KEY, timeout=0.5).stream_chat(body)
         assert time.monotonic() - t0 < 1.5
     assert not r.ok and "timed out" in r.error.lower()
+
+
+def test_chart_keeps_prompt_lengths_apart_and_no_chart_without_data(tmp_path, monkeypatch):
+    import tinypng
+
+    got = {}
+
+    def fake_line_chart(series, path, **kw):
+        got.update(series)
+        return "tinypng"
+
+    monkeypatch.setattr(tinypng, "line_chart", fake_line_chart)
+    summ = lambda v: {"tok_s_per_stream_mean": v, "total_tok_s_mean": v}  # noqa: E731
+    results = [{"prompt_tokens": p, "prefix": "warm", "concurrency": 1, "summary": summ(10.0)}
+               for p in (1100, 2000, 4000, 4096)]
+    assert bench_serving.plot(results, str(tmp_path / "c.png")) == "tinypng"
+    names = sorted(k.rsplit(" ", 2)[0] for k in got if k.endswith("per stream"))
+    assert names == ["1,100 tok warm", "2,000 tok warm", "4,000 tok warm", "4,096 tok warm"]
+    failed = [{"prompt_tokens": 0, "prefix": "warm", "concurrency": 1, "summary": summ(None)}]
+    assert bench_serving.plot(failed, str(tmp_path / "d.png")) is None
+    assert not (tmp_path / "d.png").exists()
+
+
+SCHEMA_BODY = json.dumps({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}})
+
+
+def test_all_failed_round_stops_the_run_and_keeps_json(tmp_path, capsys):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    with FakeServer(FakeConfig(ttft=0.0, itl=0.0, fail_500_every=1)) as srv:
+        rc = bench_serving.main(["--base-url", srv.base_url, "--api-key", KEY, "--concurrency", "2,4",
+                                 "--prompt-tokens", "0", "--max-tokens", "4", "--no-tokenize", "--timeout", "10",
+                                 "--extra-body", SCHEMA_BODY, "--json", str(out), "--plot", str(png)])
+        n_chat = sum(p == "/v1/chat/completions" for p, _ in srv.state.requests)
+    err = capsys.readouterr().err
+    assert rc == 1 and n_chat == 2  # the warm-up round of the first configuration only
+    assert "all 2 requests failed" in err and "HTTP 500" in err and "--keep-going" in err
+    assert "no chart" in err and not png.exists()
+    d = json.loads(out.read_text())
+    assert d["complete"] is False and "all 2 requests failed" in d["stopped"] and d["results"] == []
+
+
+def test_argument_and_server_errors_are_messages_before_the_run(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--concurrency", "0"])
+    assert e.value.code == 2 and ">= 1" in capsys.readouterr().err
+    with FakeServer(FakeConfig(ttft=0.0, itl=0.0)) as srv:
+        base = ["--base-url", srv.base_url, "--api-key", KEY, "--concurrency", "1", "--prompt-tokens", "0",
+                "--max-tokens", "4", "--no-tokenize"]
+        assert bench_serving.main(base + ["--model", "qwen-typo"]) == 2
+        err = capsys.readouterr().err
+        assert "does not serve model 'qwen-typo'" in err and "qwen3.8-flash-next" in err
+        assert bench_serving.main(base + ["--json", str(tmp_path / "nodir" / "b.json")]) == 2
+        assert "does not exist" in capsys.readouterr().err
+        assert not any(p == "/v1/chat/completions" for p, _ in srv.state.requests)
+
+
+def test_ctrl_c_keeps_finished_configurations(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "b.json"
+    real = bench_serving.Bench.config
+    calls = []
+
+    def config(self, p, m, c):
+        calls.append(c)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, p, m, c)
+
+    monkeypatch.setattr(bench_serving.Bench, "config", config)
+    with FakeServer(FakeConfig(ttft=0.0, itl=0.001)) as srv:
+        rc = bench_serving.main(["--base-url", srv.base_url, "--api-key", KEY, "--concurrency", "1,2,4",
+                                 "--prompt-tokens", "0", "--max-tokens", "4", "--no-tokenize", "--runs", "1",
+                                 "--json", str(out)])
+    assert rc == 130
+    d = json.loads(out.read_text())
+    assert [r["concurrency"] for r in d["results"]] == [1] and d["complete"] is False
+    assert "interrupted" in d["stopped"]
+    assert "| 0 | warm | 1 |" in capsys.readouterr().out  # the table of what was measured
+
+
+def test_vllm_bench_fields_cached_tokens_and_progress_without_tqdm(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_serving, "tqdm", None)  # a bare python3
+    out = tmp_path / "b.json"
+    with FakeServer(FakeConfig(ttft=0.05, itl=0.01, report_cached=True)) as srv:
+        rc = bench_serving.main(["--base-url", srv.base_url, "--api-key", KEY, "--concurrency", "2",
+                                 "--prompt-tokens", "500", "--max-tokens", "6", "--no-tokenize", "--runs", "2",
+                                 "--prefix", "both", "--json", str(out)])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "requests" in cap.err and "configuration 1/2" in cap.err and "run 2/2" in cap.err
+    assert "cached %" in cap.out
+    d = json.loads(out.read_text())
+    warm, cold = d["results"]
+    for r in (warm, cold):
+        assert r["completed"] == 4 and r["failed"] == 0 and r["max_concurrency"] == 2
+        assert r["num_prompts"] == 4 and r["total_output_tokens"] == 4 * 6
+        assert len(r["ttfts"]) == len(r["input_lens"]) == len(r["output_lens"]) == len(r["itls"]) == 4
+        for m in ("ttft", "tpot", "itl", "e2el"):
+            for k in ("mean", "median", "std", "p50", "p90", "p99"):
+                assert isinstance(r[f"{k}_{m}_ms"], float), (k, m)
+        assert r["p50_ttft_ms"] <= r["p90_ttft_ms"] <= r["p99_ttft_ms"]
+        assert r["median_ttft_ms"] >= 50 - 2 and r["median_e2el_ms"] > r["median_ttft_ms"]
+        # TPOT = (E2E - TTFT) / (tokens - 1): at least the 10 ms between tokens
+        assert r["median_tpot_ms"] >= 9.5
+        assert r["output_throughput"] == r["total_output_tokens"] / r["duration"]
+    # warm: every measured prompt was sent before (the warm-up) -> its blocks are cached;
+    # cold: never sent before -> 0
+    assert warm["summary"]["prefix_reuse_median"] > 0.8 and cold["summary"]["prefix_reuse_median"] == 0
+    assert all(c > 0 for run in warm["runs"] for c in run["cached_tokens"])
+
+
+def test_default_base_url_follows_port_and_host_bind(tmp_path, monkeypatch):
+    env = tmp_path / ".env"
+    env.write_text("# comment\nMODEL_DIR=/m\nPORT=8123\nHOST_BIND='192.168.1.5'\nKEY=a b # note\n")
+    assert oc.dotenv_value("PORT", str(env)) == "8123" and oc.dotenv_value("HOST_BIND", str(env)) == "192.168.1.5"
+    assert oc.dotenv_value("KEY", str(env)) == "a b" and oc.dotenv_value("NOPE", str(env)) is None
+    monkeypatch.setenv("PORT", "8124")
+    monkeypatch.setenv("HOST_BIND", "0.0.0.0")
+    assert oc.env_base_url() == "http://127.0.0.1:8124/v1"
+    monkeypatch.setenv("HOST_BIND", "10.0.0.7")
+    assert oc.env_base_url() == "http://10.0.0.7:8124/v1"
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    oc.add_common_args(ap)
+    assert ap.parse_args([]).base_url == "http://10.0.0.7:8124/v1"

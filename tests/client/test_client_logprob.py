@@ -67,3 +67,16 @@ def test_diff_unit():
     d = la.diff(a, b)
     assert d["tokens_compared"] == 2 and abs(d["mean_abs_diff"] - 0.025) < 1e-12
     assert d["per_prompt"][0]["diverged_at"] == 2
+
+
+def test_compare_refuses_files_that_are_not_recordings(tmp_path, capsys):
+    good = {"prompts": [{"prompt": "p", "tokens": [1], "logprobs": [-0.1]}]}
+    (tmp_path / "a.json").write_text(json.dumps(good))
+    (tmp_path / "bench.json").write_text(json.dumps({"tool": "scripts/bench_serving.py", "results": []}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text(json.dumps({"prompts": [{"prompt": "p", "tokens": [1]}]}))
+    for name in ("bench.json", "list.json", "bad.json", "missing.json"):
+        rc = la.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "a.json"), str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert rc == 2 and name in err and "record --out" in err, (name, err)
+    assert la.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0

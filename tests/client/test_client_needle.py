@@ -79,3 +79,16 @@ def test_preemptions_fail_the_run_and_missing_metrics_is_na(capsys):
         rc = needle.main(["--base-url", srv.base_url, "--api-key", KEY, "--requests", "2",
                           "--prompt-tokens", "300", "--timeout", "20"])
     assert rc == 0 and "preemptions n/a" in capsys.readouterr().out
+
+
+def test_clip_cuts_at_a_word_and_wrong_model_is_found_first(capsys):
+    text = "HTTP 500: " + "engine failure while gathering rows " * 5
+    c = needle.clip(text, 60)
+    assert len(c) <= 60 and c.endswith("...") and text.startswith(c[:-3])
+    assert text[len(c) - 3] == " "  # cut where a word ended
+    assert needle.clip("short\nanswer", 60) == "short answer"
+    with FakeServer(FakeConfig(ttft=0.0, itl=0.001)) as srv:
+        rc = needle.main(["--base-url", srv.base_url, "--api-key", KEY, "--model", "nope", "--requests", "1",
+                          "--prompt-tokens", "100"])
+        assert not any(p == "/v1/chat/completions" for p, _ in srv.state.requests)
+    assert rc == 2 and "does not serve model 'nope'" in capsys.readouterr().err

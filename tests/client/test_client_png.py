@@ -32,7 +32,8 @@ def test_png_roundtrip_pixels(tmp_path):
     assert len(zlib.decompress(data[41:41 + n])) == 10 * (1 + 60)
 
 
-def test_charts_draw_series(tmp_path):
+def test_charts_draw_series(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYPNG_BACKEND", "tinypng")  # pixel checks: the pure-Python writer
     p = tmp_path / "l.png"
     tinypng.line_chart({"a": [(1, 10.0), (2, 20.0), (4, 40.0)], "b": [(1, 5.0), (4, None)]}, str(p),
                        title="t", xlabel="x", ylabel="y", log2_x=True)
@@ -49,3 +50,22 @@ def test_charts_draw_series(tmp_path):
 def test_nice_ticks():
     assert tinypng.nice_ticks(0, 97) == [0, 20, 40, 60, 80, 100]
     assert tinypng.nice_ticks(0, 1) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+def test_matplotlib_backend_when_installed(tmp_path, monkeypatch):
+    """With matplotlib the same calls write a titled, labelled chart through it;
+    TINYPNG_BACKEND=tinypng forces the pure-Python writer."""
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    p = tmp_path / "l.png"
+    assert tinypng.line_chart({"a": [(1, 10.0), (2, 20.0)]}, str(p), title="t", xlabel="x", ylabel="y",
+                              log2_x=True) == "matplotlib"
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert tinypng.bar_chart(["G1", "G2"], {"s": [10.0, None]}, str(tmp_path / "b.png")) == "matplotlib"
+    import drive_probe
+
+    assert drive_probe.write_plot(str(tmp_path / "d.png"), [0.0, 1.0], [0.1, 80.0], 50.0, "t") == "matplotlib"
+    monkeypatch.setenv("TINYPNG_BACKEND", "tinypng")
+    assert tinypng.line_chart({"a": [(1, 1.0)]}, str(p)) == "tinypng"
+    tinypng.read_png(p.read_bytes())

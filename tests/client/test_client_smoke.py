@@ -96,8 +96,43 @@ def test_smoke_dry_run_compose(tmp_path):
                        env=dict(os.environ, SMOKE_SERVE_ARGS="/models/q --pipeline-parallel-size 3",
                                 SMOKE_PORT="8011", TMPDIR=str(tmp_path)))
     assert r.returncode == 0, r.stderr
-    start = r.stdout.splitlines()[1]
-    assert start.startswith("+ docker compose -f compose.yaml run --rm -d --name vllm-smoke-")
+    lines = r.stdout.splitlines()
+    # no PLE table needed: a sparse stand-in of the size the server checks, mounted through PLE_TABLE
+    assert "sparse stand-in of 102400491520 bytes" in lines[1]
+    standin = lines[2].split()[-1]
+    assert lines[2] == f"+ truncate -s 102400491520 {standin}" and standin.endswith("/ple-standin.bin")
+    start = lines[3]
+    assert start.startswith(f"+ env PLE_TABLE={standin} docker compose -f compose.yaml run --rm -d --name vllm-smoke-")
     assert start.endswith("-p 127.0.0.1:8011:8000 vllm /models/q --pipeline-parallel-size 3 "
                           "--load-format dummy --max-model-len 8192 --port 8000")
     assert not list(tmp_path.glob("vllm-smoke.*"))
+    # a real table instead
+    r = subprocess.run(["bash", str(SMOKE), "--dry-run"], capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, SMOKE_SERVE_ARGS="/models/q", SMOKE_PLE_TABLE="/srv/nvme/t.bin",
+                                TMPDIR=str(tmp_path)))
+    assert r.returncode == 0 and "truncate" not in r.stdout
+    assert "+ env PLE_TABLE=/srv/nvme/t.bin docker compose" in r.stdout
+
+
+def test_smoke_compose_mounts_a_sparse_standin_table(tmp_path):
+    """Compose mode with a stand-in `docker`: at `compose run` time PLE_TABLE names
+    a sparse file of the size the server checks (no disk space used)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(f"""#!/usr/bin/env bash
+case " $* " in
+  *" config "*) echo '{{"services": {{"vllm": {{"command": ["/models/q", "--port", "8000"]}}}}}}' ;;
+  *" ps "*) ;;
+  *" run "*) stat -c '%s %b %B' "$PLE_TABLE" > {tmp_path}/table; echo "$PLE_TABLE" >> {tmp_path}/table
+             echo "fake docker: no GPU here" >&2; exit 1 ;;
+esac
+""")
+    (bin_dir / "docker").chmod(0o755)
+    r = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", TMPDIR=str(tmp_path),
+                                SMOKE_PORT=str(free_port())))
+    assert r.returncode == 1 and "could not start the container" in r.stderr
+    size, blocks, block_size, path = (tmp_path / "table").read_text().split()
+    assert int(size) == 102400491520 and path.endswith("/ple-standin.bin")
+    assert int(blocks) * int(block_size) < 1 << 20  # sparse
+    assert not list(tmp_path.glob("vllm-smoke.*"))  # the work dir (and the stand-in) removed

@@ -268,3 +268,86 @@ def test_combine_merges_parallel_series(tmp_path):
     vp.export_tree(out, exported, log=lambda *a: None)
     for n in names:
         assert (exported / n).read_bytes() == (vp.PATCH_DIR / n).read_bytes(), n
+
+
+def _syntax_error_patch() -> bytes:
+    """A patch that creates a module with a SyntaxError (after the real series)."""
+    return (b"Description: broken on purpose\nGate: VLLM_PATCH_GATES_LOG\n---\n"
+            b"diff --git a/vllm/_broken_by_test.py b/vllm/_broken_by_test.py\nnew file mode 100644\n"
+            b"--- /dev/null\n+++ b/vllm/_broken_by_test.py\n@@ -0,0 +1,2 @@\n+x = 1\n+def (:\n")
+
+
+def test_syntax_error_refused_before_anything_is_written(target, tmp_path):
+    d = write_series(tmp_path / "p", {**real_patches(), "9990-broken.patch": _syntax_error_patch()})
+    with pytest.raises(vp.PatchError, match=r"_broken_by_test\.py line 2: does not compile.*9990-broken"):
+        vp.apply_series(target, d, log=lambda *a: None)
+    existing, created = vp.base_files(vp.load_series(d))
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+    assert not target.manifest_path.exists()
+
+
+def test_interrupted_apply_is_reverted(target, monkeypatch):
+    """An apply that dies half-way (here: the 3rd file write) leaves a tree that
+    `revert` restores; `apply` names both ways out."""
+    real_write = vp.Target.write
+    n = {"w": 0}
+
+    def dying_write(self, rel, text):
+        n["w"] += 1
+        if n["w"] == 3:
+            raise KeyboardInterrupt
+        return real_write(self, rel, text)
+
+    monkeypatch.setattr(vp.Target, "write", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        vp.apply_series(target, log=lambda *a: None)
+    monkeypatch.setattr(vp.Target, "write", real_write)
+    with pytest.raises(vp.PatchError, match=r"half-applied.*revert.*pip install --force-reinstall --no-deps"):
+        vp.apply_series(target, log=lambda *a: None)
+    existing, created = vp.base_files(vp.load_series())
+    assert record_ok(target, existing) != []  # two files were written
+    vp.revert_series(target, log=lambda *a: None)
+    assert record_ok(target, existing) == []
+    assert not any((target.root / c).exists() for c in created)
+    assert not target.manifest_dir.exists()
+    vp.apply_series(target, log=lambda *a: None)
+    vp.check_applied(target)
+
+
+def _edit_first_added_line(raw: bytes) -> bytes:
+    lines = raw.split(b"\n")
+    k = next(i for i, ln in enumerate(lines) if ln.startswith(b"+") and not ln.startswith(b"+++"))
+    lines[k] += b"  # edited on a branch"
+    return b"\n".join(lines)
+
+
+def test_combine_stops_when_one_patch_really_differs(tmp_path):
+    patches = real_patches()
+    first = next(iter(patches))
+    a = write_series(tmp_path / "a", patches)
+    moved = write_series(tmp_path / "moved", {**patches, first: _shift_first_hunk(patches[first], 2)})
+    b = write_series(tmp_path / "b", {**patches, first: _edit_first_added_line(patches[first])})
+    c = write_series(tmp_path / "c", {**patches, first: _edit_first_added_line(_edit_first_added_line(
+        patches[first]))})
+    # other line numbers only: one patch, no question asked (the later copy)
+    assert vp.choose_copies([a, moved], log=lambda *x: None)[first] == 1
+    with pytest.raises(vp.PatchError, match="differs between the dirs") as e:
+        vp.choose_copies([a, b], log=lambda *x: None)
+    msg = str(e.value)
+    assert str(a / first) in msg and str(b / first) in msg and "--take" in msg and "--prefer-changed" in msg
+    assert vp.choose_copies([a, b], take={first.removesuffix(".patch"): b}, log=lambda *x: None)[first] == 1
+    assert vp.choose_copies([b, a], take={first: b}, log=lambda *x: None)[first] == 0
+    # the base (first dir) and one branch that edited it: --prefer-changed takes the edit,
+    # also when another branch still has the base's copy (later in the list)
+    assert vp.choose_copies([a, b, moved], prefer_changed=True, log=lambda *x: None)[first] == 1
+    # two branches edited it differently: still a stop
+    with pytest.raises(vp.PatchError, match="3 different copies"):
+        vp.choose_copies([a, b, c], prefer_changed=True, log=lambda *x: None)
+    with pytest.raises(vp.PatchError, match="no dir's series has"):
+        vp.choose_copies([a, b], take={"9999-nope": b}, log=lambda *x: None)
+    # the CLI stops before building anything
+    out = tmp_path / "combined"
+    r = subprocess.run(["python3", str(REPO / "scripts" / "vllm_patches.py"), "combine", str(out), str(a), str(b)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and str(b / first) in r.stderr and not out.exists()

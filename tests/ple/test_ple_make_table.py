@@ -108,3 +108,25 @@ def test_float32_shards_round_like_torch(tmp_path):
     out = tmp_path / "ple.bin"
     assert run("--checkpoint", tmp_path / "c", "--out", out, "--chunk-kib", "1") == 0
     assert out.read_bytes() == expected_table_bytes(LAYOUT, shards)
+
+
+def test_help_and_closing_hint_without_heavy_imports(ckpt, tmp_path):
+    """--help works where numpy, tqdm, torch and vllm are missing (a bare python3),
+    and the closing hint names what compose users set (PLE_TABLE)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(make_ple_table.__file__)
+    block = ("import runpy, sys\n"
+             "for m in ('numpy', 'tqdm', 'torch', 'vllm'): sys.modules[m] = None\n"
+             f"sys.argv = [{str(script)!r}, '--help']\n"
+             f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--checkpoint" in r.stdout, r.stderr
+    directory, _ = ckpt
+    out = tmp_path / "ple.bin"
+    r = subprocess.run([sys.executable, str(script), "--checkpoint", str(directory), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"PLE_TABLE={out}" in r.stdout and f"VLLM_PLE_MMAP_PATH={out}" in r.stdout
