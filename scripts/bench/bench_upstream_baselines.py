@@ -73,7 +73,60 @@ def parse():
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: moe,hc")
     ap.add_argument("--json", help="write results here (rewritten after every part)")
+    ap.add_argument("--table", metavar="RESULTS_JSON",
+                    help="print the README's kernel table from a results JSON and exit (no GPU)")
     return ap.parse_args()
+
+
+# The write-up's 3090 figures (1 token), quoted beside each row of --table.
+WRITEUP_3090 = {
+    "router_cublas": "router GEMV 12",
+    "topk_softmax": "7 (1 CTA)",
+    "moe_align_block_size": "7 (2 kernels)",
+    "marlin_moe_gemm1_int4": "experts 25 MB: 42 (both GEMMs)",
+    "shared_bf16_cublas_standin": "gate_up+SiluAndMul 13.4, down+final 7.0",
+    "shared_gate_up_silu": "7.8 (from 13.4)",
+    "shared_down_final": "5.3 (from 7.0)",
+    "block:hc:upstream": "32 (6 kernels)",
+    "block:hc:fused": "13.3",
+}
+ROWS = [  # (part, kernel)
+    ("MoE", "router_cublas"), ("MoE", "topk_softmax"), ("MoE", "moe_align_block_size"),
+    ("MoE", "moe_sum"), ("MoE", "shared_bf16_cublas_standin"), ("MoE", "moe_route"),
+    ("MoE", "shared_gate_up_silu"), ("MoE", "shared_down_final"), ("MoE", "marlin_moe_gemm1_int4"),
+    ("MoE", "marlin_moe_gemm2_int4"), ("HC", "hc_combine_norm"), ("HC", "hc_silu"), ("HC", "hc_gate_mix"),
+    ("HC", "marlin_w8a16_down_standin"), ("HC", "marlin_w8a16_up_standin"),
+    ("HC", "hc_down_inject_silu"), ("HC", "hc_up_gate_mix"),
+]
+
+
+def table(path):
+    r = json.loads(Path(path).read_text())
+    ks = r["kernels"]
+    lo, hi = "1", max(ks["moe_route"], key=int)
+    f = lambda v: f"{v:.1f}"  # noqa: E731
+    out = [f"| kernel | what | bytes/call ({lo} tok) | {r['device']} us ({lo} / {hi} tok) | "
+           f"GB/s ({lo} tok) | 3090 est. us ({lo} / {hi} tok) | write-up 3090 us |",
+           "|---|---|---|---|---|---|---|"]
+    for part, k in ROWS:
+        a, b = ks[k][lo], ks[k][hi]
+        out.append(f"| {part} `{k}` | {a['what']} | {a['bytes']:,} | {f(a['h200_us'])} / {f(b['h200_us'])} | "
+                   f"{a['h200_GBps']:.0f} | {f(a['est_3090_us'])} / {f(b['est_3090_us'])} | "
+                   f"{WRITEUP_3090.get(k, '-')} |")
+    for part, key, arms in (("moe", "MoE block", ("upstream", "fused")),
+                            ("hc", "GatedResidual", ("upstream", "fused"))):
+        for arm in arms:
+            a, b = r[part][lo], r[part][hi]
+            if part == "moe":
+                ea = f"{f(a['est_3090_us'][arm + '_periphery'])} / {f(b['est_3090_us'][arm + '_periphery'])} periphery"
+            else:
+                ea = f"{f(a['est_3090_us'][arm])} / {f(b['est_3090_us'][arm])}"
+            out.append(f"| **{key}, {arm}** (one CUDA graph) | ratio upstream/fused "
+                       f"{a['block_graph_us']['ratio_upstream_over_fused']:.2f} / "
+                       f"{b['block_graph_us']['ratio_upstream_over_fused']:.2f} | - | "
+                       f"{f(a['block_graph_us'][arm])} / {f(b['block_graph_us'][arm])} | - | {ea} | "
+                       f"{WRITEUP_3090.get(f'block:{part}:{arm}', '-')} |")
+    return "\n".join(out)
 
 
 def load_moe_c(path):
@@ -111,6 +164,9 @@ def load_series():
 def main():
     global ARGS
     ARGS = a = parse()
+    if a.table:
+        print(table(a.table))
+        return
     import torch
     import torch.nn.functional as F
     from cuda_graph_timing import graph_us
