@@ -266,3 +266,47 @@ def test_bare_python(ckpt, tmp_path):
     assert "Traceback" not in r.stderr
     assert "docker compose run" in r.stderr and ".venv/bin/python" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_readme_steps(ckpt, tmp_path):
+    """README's MTP commands: the compose-run invocation names the image's
+    script, compose's checkpoint mount and the -v target, the variables come
+    from .env.example; run as written (paths mapped to this host), it makes
+    the overlay. The venv form is what the other tests here run."""
+    import re
+    import shlex
+
+    import yaml
+
+    repo = tool.Path(tool.__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    block = readme[readme.index("compose/mtp.yaml up -d`: MTP"):]
+    block = block[block.index("```") + 3:]
+    block = block[: block.index("```")].replace("\\\n", " ")
+    run = next(ln for ln in block.splitlines() if "make_mtp_int4.py" in ln)
+    argv = shlex.split(run)
+    assert argv[:3] == ["docker", "compose", "run"]
+    vol = argv[argv.index("-v") + 1]
+    assert vol.split(":")[0] == "$MTP_INT4_DIR"
+    script = next(i for i, a in enumerate(argv) if a.endswith("make_mtp_int4.py"))
+    assert argv[script] == "/opt/vllm-3x3090/scripts/make_mtp_int4.py"
+    assert "COPY scripts/ /opt/vllm-3x3090/scripts/" in (repo / "Dockerfile").read_text()
+    args = argv[script + 1:]
+    compose = yaml.safe_load((repo / "compose.yaml").read_text())
+    mounts = {}
+    for v in compose["services"]["vllm"]["volumes"]:  # SRC:TARGET[:ro], SRC may hold ":?"
+        src, target = re.fullmatch(r"(.*):(/[^:]*)(:ro)?", v).group(1, 2)
+        mounts[target] = src
+    assert mounts[args[0]].startswith("${MODEL_DIR")
+    assert args[0] == tool.DEFAULT_MOUNT  # the symlinks point where compose mounts it
+    assert args[1] == vol.split(":")[1]
+    env = (repo / ".env.example").read_text()
+    for var in set(re.findall(r"\$\{?([A-Z0-9_]+)", block)):
+        assert re.search(rf"^{var}=", env, re.M), var
+    d, _ = ckpt
+    out = tmp_path / "out"
+    host = [str(d) if a == args[0] else str(out) if a == args[1] else a for a in args]
+    assert "--dry-run" in host
+    assert tool.main(host) == 0 and not out.exists()
+    assert tool.main([a for a in host if a != "--dry-run"]) == 0
+    assert os.readlink(out / "tokenizer.json") == f"{tool.DEFAULT_MOUNT}/tokenizer.json"
