@@ -194,3 +194,35 @@ def test_gate_off_reproduces_the_failure(results):
     assert any(n.endswith(".weight") and d == "torch.bfloat16" for n, d in r["reached"])
     # Separate shards never needed the filter.
     assert results["separate-auto-0"]["load"] == "ok"
+
+
+def _two_shards(d, index):
+    d.mkdir()
+    save_file({"a": torch.zeros(1), "b": torch.zeros(1), "c": torch.zeros(1)}, str(d / "s1.safetensors"))
+    save_file({"b": torch.ones(1), "x": torch.ones(1)}, str(d / "s2.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return [str(d / "s1.safetensors"), str(d / "s2.safetensors")]
+
+
+def test_index_filter_rules(tmp_path, monkeypatch):
+    """A tensor is kept in the file its index names, or when the index does
+    not list it (upstream); a name-only filter refuses when a superseded
+    name is also in its own file (it cannot pick the copy); =0: no filter."""
+    from vllm.model_executor.model_loader.weight_utils import SafetensorsIndexFilter as F
+
+    files = _two_shards(tmp_path / "c", {"a": "s1.safetensors", "b": "s2.safetensors",
+                                         "x": "s2.safetensors"})
+    monkeypatch.setenv("VLLM_SAFETENSORS_INDEX_FILTER", "1")
+    f = F.from_index(files, str(tmp_path / "c"), "model.safetensors.index.json")
+    s1, s2 = files
+    assert [f.keep(s1, n) for n in "abc"] == [True, False, True]
+    assert f.keep(s2, "b") and f.keep(s2, "x")
+    assert dict(f.skipped) == {s1: 1}
+    with pytest.raises(ValueError, match="--load-format safetensors"):
+        f.superseded_names("fastsafetensors")  # b: in s1 and in its own s2
+    # Superseded and absent from its own file (the overlay's case): by name.
+    files = _two_shards(tmp_path / "d", {"a": "s2.safetensors", "x": "s2.safetensors"})
+    f = F.from_index(files, str(tmp_path / "d"), "model.safetensors.index.json")
+    assert f.superseded_names("instanttensor") == {"a"}
+    monkeypatch.setenv("VLLM_SAFETENSORS_INDEX_FILTER", "0")
+    assert F.from_index(files, str(tmp_path / "d"), "model.safetensors.index.json") is None
