@@ -147,7 +147,11 @@ def test_mtp_variant():
     base = load("compose.yaml")["services"]["vllm"]
     svc = load("compose/mtp.yaml")["services"]["vllm"]
     _, base_flags = command_flags(base["command"])
-    _, flags = command_flags(svc["command"])
+    model, flags = command_flags(svc["command"])
+    # make_mtp_int4.py's output directory, mounted on its own (a file mount
+    # inside the read-only checkpoint mount cannot be created), is the model.
+    assert model == "/models/mtp-overlay"
+    assert svc["volumes"] == ["${MTP_INT4_DIR:?set MTP_INT4_DIR in .env}:/models/mtp-overlay:ro"]
     assert flags["--kv-cache-memory-bytes"] == "550000000"
     assert flags["--max-num-seqs"] == "2"
     assert norm(flags["--speculative-config"]) == {"method": "mtp", "num_speculative_tokens": 1}
