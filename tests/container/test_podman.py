@@ -63,15 +63,19 @@ def images(tmp_path_factory):
         pe.check_runs(base)
     except pe.Unavailable as e:
         unavailable(str(e))
-    # --no-cache: the apply and check steps run (and print) on every test run.
-    r = pe.podman("build", "--no-cache", "--build-arg", f"VLLM_IMAGE={base}", "-t", IMAGE, "-f",
+    # The previous run's images go first, and --layers=false keeps no
+    # intermediate images, so repeated runs leave nothing behind; --no-cache:
+    # the apply and check steps run (and print) on every test run.
+    pe.podman("rmi", "-f", STANDIN, IMAGE, check=False)
+    r = pe.podman("build", "--no-cache", "--layers=false", "--build-arg", f"VLLM_IMAGE={base}",
+                  "-t", IMAGE, "-f",
                   str(pe.REPO / "Dockerfile"), str(pe.REPO))
     build_log = r.stdout.decode() + r.stderr.decode()
     ctx = tmp_path_factory.mktemp("standin-layer")
     shutil.copy(pe.HERE / "standin_vllm.py", ctx / "vllm")
     (ctx / "Containerfile").write_text(f"FROM {IMAGE}\nCOPY vllm /usr/local/bin/vllm\n"
                                        "RUN chmod 755 /usr/local/bin/vllm\n")
-    pe.podman("build", "-t", STANDIN, str(ctx))
+    pe.podman("build", "--layers=false", "-t", STANDIN, str(ctx))
     pe.log(f"images ready in {time.time() - t0:.0f} s")
     return {"base": base, "build_log": build_log}
 
