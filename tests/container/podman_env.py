@@ -187,6 +187,12 @@ def interpolate(value, env: dict):
     return _VAR.sub(sub, value)
 
 
+def volume_target(v: str) -> str:
+    """Container path of a short-syntax volume (the source may hold ${VAR:?...})."""
+    parts = v.rsplit(":", 2)
+    return parts[-2] if len(parts) == 3 and parts[-1] in ("ro", "rw", "z", "Z") else v.rsplit(":", 1)[-1]
+
+
 def _merge_service(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -195,8 +201,8 @@ def _merge_service(base: dict, over: dict) -> dict:
         elif k == "environment":
             out[k] = {**out[k], **v}
         elif k == "volumes":  # by container path
-            target = {s.split(":")[1]: s for s in out[k]}
-            target.update({s.split(":")[1]: s for s in v})
+            target = {volume_target(s): s for s in out[k]}
+            target.update({volume_target(s): s for s in v})
             out[k] = list(target.values())
         elif k in ("cap_add", "ports", "devices", "security_opt"):
             out[k] = out[k] + [x for x in v if x not in out[k]]

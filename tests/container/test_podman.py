@@ -37,6 +37,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 import vllm_patches as vp
 import podman_env as pe
@@ -235,6 +236,12 @@ def test_service(images, host_files, files):
     name = f"vllm3x-test-{os.getpid()}-{'mtp' if mtp else 'base'}"
     try:
         svc, _ = start(files, env, name)
+        # The merge is docker compose's: the last file's command replaces the
+        # others', volumes add up by container path.
+        raw = [yaml.safe_load((pe.REPO / f).read_text())["services"]["vllm"] for f in files]
+        assert svc["command"] == [r["command"] for r in raw if "command" in r][-1]
+        assert sorted(map(pe.volume_target, svc["volumes"])) == sorted(
+            {pe.volume_target(v) for r in raw for v in r.get("volumes", [])})
         wait_ready(name, port)
 
         # The command and the environment reach the server process (pid 1:
@@ -251,7 +258,7 @@ def test_service(images, host_files, files):
             assert svc["command"][0] == "/models/mtp-overlay"
 
         # Every mount resolves, read-only, with the host's bytes.
-        dsts = {v.split(":")[1]: Path(v.split(":")[0]) for v in svc["volumes"]}
+        dsts = {pe.volume_target(v): Path(v.split(":")[0]) for v in svc["volumes"]}
         probe = json.loads(pe.podman("exec", name, "python3", "-c", PROBE, *dsts).stdout)
         for dst, src in dsts.items():
             got = probe[dst]
