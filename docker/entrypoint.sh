@@ -9,7 +9,9 @@ import importlib.util, json, pathlib
 # only the gates line needs vllm.envs for the declared defaults.
 spec = importlib.util.find_spec("vllm")
 path = pathlib.Path(spec.origin).parent / "_vllm_3x3090" / "manifest.json" if spec else None
-if path is None or not path.is_file():
+if path is None:
+    print("vllm-3x3090: vllm is not installed in this python3")
+elif not path.is_file():
     print(f"vllm-3x3090: no manifest at {path}: this vllm is unpatched")
 else:
     m = json.loads(path.read_text())
