@@ -260,8 +260,9 @@ def run_args(svc: dict, name: str, image: str | None = None) -> tuple[list[str],
     hc = svc.get("healthcheck")
     if hc:
         # podman 4.3 splits a JSON array that starts with "CMD" at whitespace
-        # (strings.Fields); an array without it is taken as exec form. No
-        # timer (no systemd here): the test calls `podman healthcheck run`.
+        # (strings.Fields); an array without it is taken as exec form, and
+        # ["CMD-SHELL", s] as it is. No timer (no systemd here): the test
+        # calls `podman healthcheck run`.
         test = hc["test"]
         cmd = json.dumps(test[1:]) if test[0] == "CMD" else json.dumps(test)
         args += ["--health-cmd", cmd, "--health-interval", "disable",

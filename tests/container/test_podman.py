@@ -314,8 +314,8 @@ def test_service(images, host_files, files):
         assert json.loads(stored) == test  # compose's command, verbatim
         hc = pe.podman("healthcheck", "run", name, check=False)
         assert hc.returncode == 0, hc.stdout.decode() + hc.stderr.decode()
-        assert test[0] == "CMD"
-        bad = pe.podman("exec", "-e", "VLLM_API_KEY=wrong", name, *test[1:], check=False)
+        argv = ["sh", "-c", test[1]] if test[0] == "CMD-SHELL" else test[1:]
+        bad = pe.podman("exec", "-e", "VLLM_API_KEY=wrong", name, *argv, check=False)
         assert bad.returncode != 0 and b"401" in bad.stderr
     finally:
         pe.podman("rm", "-f", "-t", "0", name, check=False)

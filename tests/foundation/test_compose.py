@@ -135,7 +135,13 @@ def test_compose_safe_by_default():
 
 def test_healthcheck_is_a_real_completion():
     hc = load("compose.yaml")["services"]["vllm"]["healthcheck"]
-    script = hc["test"][-1]
+    import shlex
+
+    # CMD-SHELL: podman-compose 1.0.3 turns a CMD list into a shell syntax error.
+    assert hc["test"][0] == "CMD-SHELL" and len(hc["test"]) == 2
+    argv = shlex.split(hc["test"][1])
+    assert argv[:2] == ["python3", "-c"] and len(argv) == 3
+    script = argv[2]
     assert "/v1/completions" in script and '"max_tokens": 1' in script
     assert "Authorization" in script
     compile(script, "healthcheck", "exec")
