@@ -76,23 +76,26 @@ def podman(*args: str, check: bool = True, input: bytes | None = None,
     return r
 
 
+TOOLS = ("podman", "runc", "debootstrap", "podman-compose")  # commands = Debian package names
+
+
 def ensure_tools() -> None:
-    """podman, runc and debootstrap; apt-get installs them when missing (root only)."""
-    missing = [t for t in ("podman", "runc", "debootstrap") if shutil.which(t) is None]
+    """podman, runc, debootstrap, podman-compose; apt-get installs them when missing (root only)."""
+    missing = [t for t in TOOLS if shutil.which(t) is None]
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise Unavailable(f"{', '.join(missing)} missing and no root apt-get to install them "
-                          "(apt-get install podman runc debootstrap)")
+                          f"(apt-get install {' '.join(TOOLS)})")
     log(f"installing {' '.join(missing)} with apt-get (about 40 s)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "podman", "runc", "debootstrap"]
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
     r = subprocess.run(cmd, env=env, capture_output=True)
     if r.returncode != 0:  # fresh machine: empty package lists
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
         r = subprocess.run(cmd, env=env, capture_output=True)
     if r.returncode != 0:
-        raise Unavailable(f"apt-get install podman runc debootstrap failed:\n{r.stderr.decode()[-2000:]}")
+        raise Unavailable(f"apt-get install {' '.join(missing)} failed:\n{r.stderr.decode()[-2000:]}")
 
 
 def debian_mirror() -> tuple[str, str]:
@@ -224,7 +227,22 @@ def memlock_hard_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
 
 
-def run_args(svc: dict, name: str, image: str | None = None) -> tuple[list[str], list[str]]:
+_MEMLOCK_OK: dict[str, bool] = {}
+
+
+def memlock_unlimited_ok(image: str) -> bool:
+    """Whether runc can give a container `memlock: -1` here. On these machines
+    (hard limit 8 MiB) runc's setrlimit(RLIMIT_MEMLOCK) is refused with EPERM
+    for any value, even a lower one, so compose's ulimit must be left out."""
+    if image not in _MEMLOCK_OK:
+        r = podman("run", "--rm", "--entrypoint", "true", "--ulimit", "memlock=-1:-1", image,
+                   check=False, timeout=120)
+        _MEMLOCK_OK[image] = r.returncode == 0
+    return _MEMLOCK_OK[image]
+
+
+def run_args(svc: dict, name: str, image: str | None = None,
+             memlock_ok: bool | None = None) -> tuple[list[str], list[str]]:
     """(`podman run` arguments, what was left out and why) for one compose service."""
     handled = {"image", "build", "restart", "ipc", "cap_add", "ulimits", "deploy", "devices",
                "security_opt", "ports", "volumes", "environment", "healthcheck", "command"}
@@ -239,10 +257,10 @@ def run_args(svc: dict, name: str, image: str | None = None) -> tuple[list[str],
     for c in svc.get("cap_add", []):
         args += ["--cap-add", c]
     for k, v in (svc.get("ulimits") or {}).items():
-        if k == "memlock" and v == -1 and memlock_hard_limit() != resource.RLIM_INFINITY:
-            # runc sets the container's rlimits with setrlimit(2); the limit of
-            # this (itself containerised) machine cannot be raised from inside.
-            left.append(f"ulimits memlock=-1 (this machine's hard limit is {memlock_hard_limit()} B)")
+        if k == "memlock" and not (memlock_ok if memlock_ok is not None else
+                                   memlock_unlimited_ok(image or svc["image"])):
+            left.append(f"ulimits memlock={v} (runc's setrlimit is refused here; this machine's "
+                        f"hard limit is {memlock_hard_limit()} B)")
             continue
         args += ["--ulimit", f"{k}={v}:{v}" if not isinstance(v, dict) else f"{k}={v['soft']}:{v['hard']}"]
     if svc.get("deploy"):

@@ -37,11 +37,13 @@ def test_interpolation():
 
 def test_run_args_maps_every_key_and_says_what_it_leaves_out():
     svc = pe.merged_service([pe.REPO / "compose.yaml", pe.REPO / "compose" / "podman.yaml"], ENV)
-    args, left = pe.run_args(svc, "n", image="img")
+    args, left = pe.run_args(svc, "n", image="img", memlock_ok=True)
     i = args.index("img")
     assert args[i + 1:] == svc["command"]
     assert ["--ipc", "host"] == args[args.index("--ipc"):args.index("--ipc") + 2]
     assert "label=disable" in args and "nvidia.com/gpu=all" not in args
     assert any(s.startswith("device nvidia.com/gpu=all") for s in left)
+    assert "memlock=-1:-1" in args
+    assert "memlock=-1:-1" not in pe.run_args(svc, "n", image="img", memlock_ok=False)[0]
     with pytest.raises(ValueError, match="privileged"):
-        pe.run_args({**svc, "privileged": True}, "n")
+        pe.run_args({**svc, "privileged": True}, "n", memlock_ok=True)

@@ -13,11 +13,13 @@
     capabilities and IPC namespace, the published port, the key check, the
     healthcheck command (by `podman healthcheck run`), the placeholder key
     refused at start, nothing created in the checkpoint directory.
+(c) compose.yaml through podman-compose itself (its .env, interpolation,
+    network and healthcheck translation).
 
 Not covered here: GPUs (deploy.resources / compose/podman.yaml's CDI device),
-`ulimits: memlock: -1` where this machine's hard limit is finite (it cannot be
-raised from inside this machine; the test says so in its output), the real
-server and torch. Skipped when podman cannot run containers on the machine;
+`ulimits: memlock` where runc cannot set it (on these machines its
+setrlimit(RLIMIT_MEMLOCK) is refused for any value; the test says what it left
+out), the real server and torch. Skipped when podman cannot run containers on the machine;
 with CI=true that is a failure instead.
 """
 
@@ -339,3 +341,52 @@ def test_placeholder_key_refused_at_start(images, host_files):
         assert "standin-vllm:" not in out  # the server never started
     finally:
         pe.podman("rm", "-f", "-t", "0", name, check=False)
+
+
+def test_podman_compose_up(images, host_files, tmp_path):
+    """compose.yaml through podman-compose itself (1.0.3 on Debian 12), as the
+    README's podman users run it: its own .env reading, interpolation, argument
+    mapping, network and healthcheck translation. Only the base file:
+    podman-compose 1.0.3 appends the `command` lists of two files (see
+    compose/mtp.yaml)."""
+    key, port = secrets.token_urlsafe(16), free_port()
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    svc_raw = yaml.safe_load((pe.REPO / "compose.yaml").read_text())
+    left = []
+    if not pe.memlock_unlimited_ok(STANDIN):
+        del svc_raw["services"]["vllm"]["ulimits"]
+        left.append("ulimits (runc's setrlimit(RLIMIT_MEMLOCK) is refused here)")
+        (proj / "compose.yaml").write_text(yaml.safe_dump(svc_raw, sort_keys=False))
+    else:
+        shutil.copy(pe.REPO / "compose.yaml", proj / "compose.yaml")
+    pe.log(f"podman-compose compose.yaml: left out here: {'; '.join(left) or 'nothing'}")
+    (proj / ".env").write_text(
+        f"MODEL_DIR={host_files['ckpt']}\nPLE_TABLE={host_files['ple']}\nVLLM_API_KEY={key}\n"
+        f"HOST_BIND=127.0.0.1\nPORT={port}\nVLLM_3X3090_IMAGE={STANDIN}\n")
+    before = snapshot(host_files["ckpt"])
+    project = f"vllm3xtest{os.getpid()}"
+    name = f"{project}_vllm_1"
+    compose = ["podman-compose", "-p", project, "-f", str(proj / "compose.yaml")]
+    try:
+        r = subprocess.run([*compose, "up", "-d"], cwd=proj, env=pe.conf_env(), capture_output=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+        wait_ready(name, port)
+        cmd = svc_raw["services"]["vllm"]["command"]
+        cmdline = pe.podman("exec", name, "cat", "/proc/1/cmdline").stdout.split(b"\0")[:-1]
+        assert [c.decode() for c in cmdline[2:]] == ["serve", *cmd]
+        environ = pe.podman("exec", name, "cat", "/proc/1/environ").stdout.split(b"\0")
+        assert f"VLLM_API_KEY={key}".encode() in environ
+        assert b"VLLM_PLE_MMAP_PATH=/ple/ple_table.bin" in environ
+        assert http(port, "/v1/models", None)[0] == 401
+        assert http(port, "/v1/models", key)[0] == 200
+        # The healthcheck as podman-compose translated it.
+        hc = pe.podman("healthcheck", "run", name, check=False)
+        assert hc.returncode == 0, hc.stdout.decode() + hc.stderr.decode()
+    finally:
+        subprocess.run([*compose, "down", "-t", "0"], cwd=proj, env=pe.conf_env(), capture_output=True,
+                       timeout=120)
+        pe.podman("rm", "-f", "-t", "0", name, check=False)
+        pe.podman("network", "rm", f"{project}_default", check=False)
+    assert snapshot(host_files["ckpt"]) == before
