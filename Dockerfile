@@ -18,8 +18,10 @@ COPY docker/entrypoint.sh /opt/vllm-3x3090/entrypoint.sh
 # wheel's RECORD, any hunk that needs an offset or fuzz, and a second apply;
 # it dry-runs the whole series before writing, byte-compiles what it touched
 # and records a manifest in vllm/_vllm_3x3090/. --check then re-verifies.
+# SITE comes from find_spec, without importing vllm (that needs torch and a
+# few seconds; tests/container builds this file on a base without torch).
 RUN set -eux; \
-    SITE="$(python3 -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')"; \
+    SITE="$(python3 -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("vllm").origin).parents[1])')"; \
     python3 /opt/vllm-3x3090/scripts/vllm_patches.py --patches /opt/vllm-3x3090/patches apply "$SITE"; \
     python3 /opt/vllm-3x3090/scripts/vllm_patches.py --patches /opt/vllm-3x3090/patches apply --check "$SITE"; \
     chmod +x /opt/vllm-3x3090/entrypoint.sh

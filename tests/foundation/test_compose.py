@@ -135,7 +135,13 @@ def test_compose_safe_by_default():
 
 def test_healthcheck_is_a_real_completion():
     hc = load("compose.yaml")["services"]["vllm"]["healthcheck"]
-    script = hc["test"][-1]
+    import shlex
+
+    # CMD-SHELL: podman-compose 1.0.3 turns a CMD list into a shell syntax error.
+    assert hc["test"][0] == "CMD-SHELL" and len(hc["test"]) == 2
+    argv = shlex.split(hc["test"][1])
+    assert argv[:2] == ["python3", "-c"] and len(argv) == 3
+    script = argv[2]
     assert "/v1/completions" in script and '"max_tokens": 1' in script
     assert "Authorization" in script
     compile(script, "healthcheck", "exec")
@@ -147,7 +153,11 @@ def test_mtp_variant():
     base = load("compose.yaml")["services"]["vllm"]
     svc = load("compose/mtp.yaml")["services"]["vllm"]
     _, base_flags = command_flags(base["command"])
-    _, flags = command_flags(svc["command"])
+    model, flags = command_flags(svc["command"])
+    # make_mtp_int4.py's output directory, mounted on its own (a file mount
+    # inside the read-only checkpoint mount cannot be created), is the model.
+    assert model == "/models/mtp-overlay"
+    assert svc["volumes"] == ["${MTP_INT4_DIR:?set MTP_INT4_DIR in .env}:/models/mtp-overlay:ro"]
     assert flags["--kv-cache-memory-bytes"] == "550000000"
     assert flags["--max-num-seqs"] == "2"
     assert norm(flags["--speculative-config"]) == {"method": "mtp", "num_speculative_tokens": 1}

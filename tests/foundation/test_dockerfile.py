@@ -60,3 +60,15 @@ def test_entrypoint_prints_gates_then_execs_server():
     assert "format_gates_line" in ep
     assert ep.rstrip().endswith('exec vllm serve "$@"')
     assert 'ENTRYPOINT ["/opt/vllm-3x3090/entrypoint.sh"]' in DOCKERFILE
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies():
+    # .dockerignore ignores everything (a .venv of 8 GiB would be sent as the
+    # build context) except what COPY names; tests/container builds it for real.
+    lines = [l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
+             if l.strip() and not l.startswith("#")]
+    assert lines[0] == "*"
+    kept = {l[1:].rstrip("/") for l in lines if l.startswith("!")}
+    for c in (i for i in instructions() if i.startswith("COPY")):
+        src = c.split()[1].rstrip("/")
+        assert src in kept or src.split("/")[0] in kept, src
