@@ -280,3 +280,24 @@ def test_series_kernels_exist():
 
     for patch, mod, name in series_kernels():
         assert hasattr(getattr(mod, name), "fn"), (patch, name)
+
+
+def test_model_walk_warms_each_geometry_once(monkeypatch):
+    """warmup_model_kernels over a model: every MoE block carrying an enabled
+    fused path is visited, blocks of one geometry are warmed once (the keys
+    depend on shapes / strides / dtypes only), a disabled block is skipped."""
+    a, b, c = (_moe_fused(monkeypatch) for _ in range(3))
+    c.disabled = "TP/EP > 1"
+    d = _moe_fused(monkeypatch, group=128)  # another geometry (scale groups)
+    model = torch.nn.Module()
+    for i, f in enumerate((a, b, c, d)):
+        m = torch.nn.Module()
+        m._moe_fused = f
+        model.add_module(f"layer{i}", m)
+    with recording() as recs:
+        counts = kw.warmup_model_kernels(model, COMPOSE, require_cuda=False)
+    per_geometry = 3 * len(COMPOSE.fused_decode_tokens()) + 2 * len(
+        {*COMPOSE.fused_decode_tokens(), *COMPOSE.prefill_token_classes()})
+    assert counts == {"moe": 2 * per_geometry, "hc": 0}
+    assert len(recs["_moe_route_kernel"].keys) == 7  # the route does not read the scales
+    assert len(recs["_shared_gate_up_silu_kernel"].keys) == 2 * 4
