@@ -132,10 +132,19 @@ def test_int6_planes_round_trip_exact(n, k):
     assert dense.shape == (n, k * 6 // 32)
     assert torch.equal(mf.int6_unpack_dense(dense, k), u)
     buf = dense.clone()
-    ptr = buf.data_ptr()
     planes = mf.int6_to_planes(buf, k, rows_per_chunk=2)
-    assert planes.data_ptr() == ptr and planes.shape == dense.shape  # same buffer, same size
+    # one new buffer of the original size (write-up §3.5); the input is untouched
+    assert planes.data_ptr() != buf.data_ptr() and planes.shape == dense.shape
+    assert planes.dtype == dense.dtype and torch.equal(buf, dense)
     assert torch.equal(mf.planes_to_u(planes, k), u)
+    assert torch.equal(mf.int6_to_planes(dense, k), planes)  # default chunking: same bits
+
+
+def test_int6_planes_chunk_temporaries_stay_in_small_pool():
+    # the largest temporary is int64 [rows, K/8, 8]: <= 1 MiB (small pool)
+    for k in (640, 2560):
+        rows = max(1, mf._CHUNK_TEMP_BYTES // (k * 8))
+        assert rows * k * 8 <= 1 << 20 and rows >= 1
 
 
 def test_int6_dense_layout_is_humming_bitstream():
@@ -204,3 +213,52 @@ def test_int6_planes_gemm_prefill_vs_fp32(group):
     ref = x.float() @ ((u.float() - 32) * s.float().repeat_interleave(Kd // ng, 1)).T
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.bfloat16().float(), rtol=1.6e-2, atol=1e-3)
+
+
+def _route_padded(M, pad_rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    x[pad_rows] = 0  # padded rows are zero rows, as the runner's padding
+    gw = (torch.randn(E, K, generator=g) * 0.1).bfloat16()
+    sgw = (torch.randn(1, K, generator=g) * 0.1).bfloat16()
+    is_padding = torch.zeros(mf.MAX_FUSED_TOKENS, dtype=torch.bool)
+    is_padding[pad_rows] = True
+    counter = torch.zeros(1, dtype=torch.int32)
+    out = mf.moe_route(x, gw, sgw, TOPK, counter, is_padding=is_padding[:M])
+    return x, gw, sgw, is_padding, out
+
+
+@pytest.mark.parametrize("M,pad_rows", [(4, [3]), (8, [5, 6, 7]), (2, [1])])
+def test_route_skips_padding_rows(M, pad_rows):
+    """VLLM_MOE_SKIP_PADDING semantics: a padded row gets id -1, weight 0 and
+    no alignment slot (it reads no expert); real rows route as without the
+    mask, and the alignment is that of the real rows alone."""
+    x, gw, sgw, is_padding, (tw, ti, sorted_ids, expert_ids, ntpp, logits, bs) = _route_padded(
+        M, pad_rows, seed=M)
+    real = [m for m in range(M) if m not in pad_rows]
+    assert (ti[pad_rows] == -1).all() and (tw[pad_rows] == 0).all()
+    counter = torch.zeros(1, dtype=torch.int32)
+    ref = mf.moe_route(x, gw, sgw, TOPK, counter)  # no mask: the zero rows route to some experts
+    assert torch.equal(ti[real], ref[1][real]) and torch.equal(tw[real], ref[0][real])
+    assert (ref[1][pad_rows] >= 0).all()
+    rs, re_, rn = mf.ref_align(ti, bs, E)  # ref_align skips ids < 0
+    assert torch.equal(ntpp, rn) and torch.equal(sorted_ids, rs) and torch.equal(expert_ids, re_)
+    # every slot names a real row's (token, k) pair or the pad id M*TOPK
+    slots = sorted_ids[sorted_ids < M * TOPK]
+    assert sorted(slots.tolist()) == [m * TOPK + j for m in real for j in range(TOPK)]
+    # fewer experts read than with the padded rows routed
+    assert len(set(ti[real].flatten().tolist())) <= len(set(ref[1].flatten().tolist()))
+
+
+def test_shared_down_skips_padding_rows():
+    """The routed rows of padded tokens are never written by Marlin: the
+    final sum must not read them (garbage / NaN stays out)."""
+    M, H, I = 4, 64, 64
+    _, _, _, _, s_dn, routed, sg = _shared_case(M, H, I, 0, seed=9)
+    routed[3] = float("nan")
+    p_dn = mf.int6_to_planes(mf.int6_pack_dense(torch.full((H, I), 32, dtype=torch.int32)), I)
+    act = torch.randn(M, I).bfloat16()
+    pad = torch.tensor([False, False, False, True])
+    out = mf.shared_down_final(act, p_dn, s_dn, routed, sg, block_k=64, is_padding=pad)
+    assert torch.equal(out[:3].float(), routed[:3].float().sum(1).bfloat16().float())
+    assert torch.equal(out[3].float(), torch.zeros(H))

@@ -25,7 +25,7 @@ except ImportError:  # bare torch + triton machine
     import moe_fused as mf
 
 E, TOPK, H, I = 512, 10, 2560, 640
-TOKENS = (1, 2, 4, 8)
+TOKENS = (1, 2, 3, 4, 5, 8)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -39,6 +39,22 @@ def _align_ok(ids, sorted_ids, expert_ids, ntpp, bs):
     rs, re_, rn = mf.ref_align(ids.cpu(), bs, E)
     return (torch.equal(ntpp.cpu(), rn) and torch.equal(sorted_ids.cpu(), rs)
             and torch.equal(expert_ids.cpu(), re_))
+
+
+def _logits_bound(x, w, lg):
+    """(launch over 1 bf16 ulp vs fp32 GEMM rounded once, launch over the
+    guaranteed bound). The guarantee: fp32 accumulation in another order
+    differs from the fp32 GEMM by at most K * 2^-24 * sum_k |x_k w_k| (worst
+    case for any order), then one bf16 rounding each: + 1 ulp. Near a
+    cancellation (|logit| << sum |x w|) that exceeds 1 ulp of the logit, so
+    the 1-ulp count is reported, not asserted."""
+    f32 = torch.nn.functional.linear(x.float(), w.float())
+    ref = f32.bfloat16().float()
+    ulp = ref.abs().clamp_min(1e-30) * 2.0 ** -7  # 1 bf16 ulp (upper bound)
+    mag = torch.nn.functional.linear(x.float().abs(), w.float().abs())
+    bound = ulp + x.shape[1] * 2.0 ** -24 * mag + 2.0 ** -126
+    d = (lg - ref).abs()
+    return int((d > ulp).any().item()), int((d > bound).any().item())
 
 
 def route_many(n_per_m: int = 1000, graph_replays: int = 1000, seed: int = 0) -> dict:
@@ -58,7 +74,7 @@ def route_many(n_per_m: int = 1000, graph_replays: int = 1000, seed: int = 0) ->
         xs[::7] *= 0  # all-zero inputs: every logit ties
         outs = [mf.moe_route(xs[i], gw, sgw, TOPK, counter) for i in range(n_per_m)]
         torch.cuda.synchronize()
-        bad_ids = bad_w = bad_align = bad_lg = same_as_blas = ours_off = blas_off = 0
+        bad_ids = bad_w = bad_align = bad_lg = same_as_blas = ours_off = blas_off = ours_over_bound = 0
         max_w = 0.0
         max_lg = 0.0
         for i, (tw, ti, s_ids, e_ids, ntpp, lg, bs) in enumerate(outs):
@@ -78,15 +94,16 @@ def route_many(n_per_m: int = 1000, graph_replays: int = 1000, seed: int = 0) ->
             bad_lg += int(dl > 8e-3)
             same_as_blas += int(torch.equal(ti, _ref_route(blas[:, :E])[1]))
             # which one is off: both vs an fp32 GEMM rounded once to bf16
-            f32 = torch.nn.functional.linear(xs[i].float(), torch.cat([gw, sgw]).float()).bfloat16().float()
-            ulp = f32.abs().clamp_min(1e-30) * 2.0 ** -7  # 1 bf16 ulp (upper bound)
-            ours_off += int(((lg - f32).abs() > ulp).any().item())
-            blas_off += int(((blas.float() - f32).abs() > ulp).any().item())
+            o1, ob = _logits_bound(xs[i], torch.cat([gw, sgw]), lg)
+            ours_off += o1
+            ours_over_bound += ob
+            blas_off += _logits_bound(xs[i], torch.cat([gw, sgw]), blas.float())[0]
         stats[f"eager_m{m}"] = dict(launches=n_per_m, wrong_ids=bad_ids, wrong_weights=bad_w,
                                     max_weight_abs_diff=max_w, wrong_align_sampled=bad_align,
                                     logits_max_rel_vs_cublas=max_lg, logits_over_1ulp=bad_lg,
                                     ids_same_as_cublas_routing=same_as_blas,
                                     launches_ours_over_1ulp_vs_fp32=ours_off,
+                                    launches_ours_over_fp32_bound=ours_over_bound,
                                     launches_cublas_over_1ulp_vs_fp32=blas_off,
                                     counter_after=int(counter.item()))
         # CUDA graph: the counter reset must make replays independent
@@ -105,15 +122,60 @@ def route_many(n_per_m: int = 1000, graph_replays: int = 1000, seed: int = 0) ->
             graph.replay()
             keep.append((gout[1].clone(), gout[0].clone(), gout[5].clone()))
         torch.cuda.synchronize()
-        bad = 0
+        # Routing errors and logit deviations are counted apart: the routing
+        # of the kernel's own logits is exact (guaranteed), the logits are
+        # within the fp32-summation bound (guaranteed) but not always within
+        # 1 bf16 ulp of a once-rounded fp32 GEMM (cancellation; the first
+        # record had 1 / 5 / 4 / 16 such replays at M = 1 / 2 / 4 / 8, the
+        # same launches as eager).
+        wrong_ids = wrong_w = over_ulp = over_bound = 0
         for r, (ti, tw, lg) in enumerate(keep):
             rw, rid = _ref_route(lg[:, :E].bfloat16())
-            bad += int(not torch.equal(ti, rid)) + int((tw - rw).abs().max().item() > 1e-6)
-            f32 = torch.nn.functional.linear(xs[r % n_per_m].float(), torch.cat([gw, sgw]).float())
-            f32 = f32.bfloat16().float()
-            bad += int(((lg - f32).abs() > f32.abs() * 2.0 ** -7).any().item())
-        stats[f"graph_m{m}"] = dict(replays=graph_replays, wrong=bad, counter_after=int(counter.item()))
+            wrong_ids += int(not torch.equal(ti, rid))
+            wrong_w += int((tw - rw).abs().max().item() > 1e-6)
+            o1, ob = _logits_bound(xs[r % n_per_m], torch.cat([gw, sgw]), lg)
+            over_ulp += o1
+            over_bound += ob
+        stats[f"graph_m{m}"] = dict(replays=graph_replays, wrong_ids=wrong_ids, wrong_weights=wrong_w,
+                                    logits_over_1ulp_vs_fp32=over_ulp, logits_over_fp32_bound=over_bound,
+                                    counter_after=int(counter.item()))
     return stats
+
+
+def padding_check(n: int = 200, seed: int = 2) -> dict:
+    """VLLM_MOE_SKIP_PADDING on the GPU: batches of 3 padded to 4 and of 5
+    padded to 8 (the runner's persistent mask, captured in a graph): padded
+    rows get id -1 and no alignment slot; real rows route as unpadded."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    gw = (torch.randn(E, H, device=dev, generator=g) * 0.02).bfloat16()
+    sgw = (torch.randn(1, H, device=dev, generator=g) * 0.02).bfloat16()
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    mask = torch.zeros(16, dtype=torch.bool, device=dev)
+    out = {}
+    for rows, real in ((4, 3), (8, 5)):
+        mask.zero_()
+        mask[real:rows] = True
+        x_static = torch.zeros(rows, H, device=dev, dtype=torch.bfloat16)
+        mf.moe_route(x_static, gw, sgw, TOPK, counter, is_padding=mask[:rows])
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = mf.moe_route(x_static, gw, sgw, TOPK, counter, is_padding=mask[:rows])
+        bad = 0
+        for _ in range(n):
+            x = torch.randn(rows, H, device=dev, generator=g).bfloat16()
+            x[real:] = 0
+            x_static.copy_(x)
+            graph.replay()
+            tw, ti, s_ids, e_ids, ntpp, lg, bs = gout
+            plain = mf.moe_route(x, gw, sgw, TOPK, counter)
+            ok = bool((ti[real:] == -1).all()) and bool((tw[real:] == 0).all())
+            ok &= torch.equal(ti[:real], plain[1][:real])
+            ok &= _align_ok(ti, s_ids, e_ids, ntpp, bs)
+            bad += int(not ok)
+        out[f"pad_{real}_of_{rows}"] = dict(replays=n, wrong=bad, counter_after=int(counter.item()))
+    return out
 
 
 def shared_check(seed: int = 1) -> dict:
@@ -145,9 +207,19 @@ def shared_check(seed: int = 1) -> dict:
 def test_route_many_launches():
     s = route_many(n_per_m=300, graph_replays=300)
     for k, v in s.items():
-        assert v.get("wrong_ids", 0) == 0 and v.get("wrong", 0) == 0, (k, v)
-        assert v.get("wrong_weights", 0) == 0 and v.get("wrong_align_sampled", 0) == 0, (k, v)
+        # guaranteed: exact routing of the kernel's logits, exact alignment,
+        # the counter reset, logits within the fp32-summation bound; NOT
+        # guaranteed (reported only): logits within 1 bf16 ulp of fp32
+        assert v["wrong_ids"] == 0 and v["wrong_weights"] == 0, (k, v)
+        assert v.get("wrong_align_sampled", 0) == 0, (k, v)
+        assert v.get("launches_ours_over_fp32_bound", v.get("logits_over_fp32_bound")) == 0, (k, v)
         assert v["counter_after"] == 0
+
+
+@requires_cuda
+def test_route_skips_padding_rows_in_graphs():
+    for k, v in padding_check(n=50).items():
+        assert v["wrong"] == 0 and v["counter_after"] == 0, (k, v)
 
 
 @requires_cuda
@@ -165,7 +237,7 @@ if __name__ == "__main__":
     ap.add_argument("--replays", type=int, default=1000, help="graph replays per token count")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "route": route_many(a.n, a.replays),
-           "shared": shared_check(), "command": " ".join(sys.argv)}
+           "padding": padding_check(), "shared": shared_check(), "command": " ".join(sys.argv)}
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -51,9 +51,11 @@ def test_int6_linear_swapped_to_planes(monkeypatch, group):
     u = torch.randint(0, 64, (n, k), generator=g, dtype=torch.int32)
     layer.weight_packed.data.copy_(mf.int6_pack_dense(u))
     layer.weight_scale.data.copy_((torch.rand(layer.weight_scale.shape, generator=g) * 4e-3 + 1e-3).bfloat16())
-    ptr = layer.weight_packed.data_ptr()
+    dense = layer.weight_packed.data
     scheme.process_weights_after_loading(layer)
-    assert layer.weight_packed.data_ptr() == ptr  # re-laid in place
+    # one new buffer of the same size replaces the dense one (write-up §3.5)
+    assert layer.weight_packed.data_ptr() != dense.data_ptr()
+    assert layer.weight_packed.shape == dense.shape and layer.weight_packed.dtype == dense.dtype
     assert torch.equal(mf.planes_to_u(layer.weight_packed.data, k), u)
     x = torch.randn(12, k, generator=g).bfloat16()
     out = scheme.apply_weights(layer, x, None)
@@ -79,18 +81,29 @@ def test_non_int6_linear_not_swapped(monkeypatch):
     assert not maybe_use_int6_planes(torch.nn.Linear(4, 4))
 
 
-def test_fused_block_forward_composes_like_upstream(monkeypatch):
+@pytest.mark.parametrize("M,pad_rows", [(3, []), (4, [3]), (8, [5, 6, 7])])
+def test_fused_block_forward_composes_like_upstream(monkeypatch, M, pad_rows):
     """MoeFusedDecode.forward with the Marlin call replaced by a torch expert
     evaluator that reads ONLY sorted_token_ids / expert_ids / num_tokens_post_padded
     / topk_weights (as Marlin does): output vs the upstream block semantics
     (gate GEMV -> topk_softmax + renorm -> experts -> moe_sum; shared MLP ->
-    sigmoid(shared gate) * shared; sum)."""
+    sigmoid(shared gate) * shared; sum).
+
+    With padding rows in the forward context (upstream VLLM_MOE_SKIP_PADDING,
+    a batch of 3 padded to 4 by the graph) those rows read no expert (no
+    slot reaches the expert evaluator), and the router's capture / replay
+    hooks get the ids (-1 for padding) as on the upstream path."""
     import types
+
+    import vllm.envs as envs
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.forward_context import create_forward_context, override_forward_context
 
     import vllm.model_executor.layers.fused_moe.experts.marlin_moe as mm
     from vllm.models.qwen4_exp.nvidia.moe_fused_layer import MoeFusedDecode
 
-    E, k, H, I, Ie, M = 64, 4, 256, 128, 64, 3
+    E, k, H, I, Ie = 64, 4, 256, 128, 64
+    monkeypatch.setattr(envs, "VLLM_MOE_SKIP_PADDING", True, raising=False)
     g = torch.Generator().manual_seed(42)
     bf = lambda t: t.bfloat16()  # noqa: E731
     gw = bf(torch.randn(E, H, generator=g) * 0.1)
@@ -102,6 +115,8 @@ def test_fused_block_forward_composes_like_upstream(monkeypatch):
     w13 = bf(torch.randn(E, 2 * Ie, H, generator=g) * 0.05)  # dense stand-ins for Marlin weights
     w2 = bf(torch.randn(E, H, Ie, generator=g) * 0.05)
     x = bf(torch.randn(M, H, generator=g))
+    x[pad_rows] = 0
+    read = []
 
     def expert(e, v):
         h = v.float() @ w13[e].float().T
@@ -118,6 +133,7 @@ def test_fused_block_forward_composes_like_upstream(monkeypatch):
             i = int(s_ids[p])
             if i >= hs.shape[0] * kk:
                 continue  # padding slot
+            read.append(i // kk)
             out[i] = tw.flatten()[i] * expert(int(e_ids[p // bs]), hs[i // kk])
         return out.bfloat16()
 
@@ -129,7 +145,11 @@ def test_fused_block_forward_composes_like_upstream(monkeypatch):
         shared_expert=types.SimpleNamespace(
             gate_up_proj=lin(mf.int6_to_planes(mf.int6_pack_dense(u_gu), H), s_gu),
             down_proj=lin(mf.int6_to_planes(mf.int6_pack_dense(u_dn), I), s_dn)),
-        _moe_fused_counter=torch.zeros(1, dtype=torch.int32))
+        _moe_fused_counter=torch.zeros(1, dtype=torch.int32),
+        experts=types.SimpleNamespace(router=types.SimpleNamespace(
+            capture_fn=None, _routing_replay_out=torch.full((8, k), 99, dtype=torch.int16))))
+    captured = []
+    block.experts.router.capture_fn = lambda ids: captured.append(ids.clone())
     fe = types.SimpleNamespace(w1_bias=None, w2_bias=None, w1_scale=None, w2_scale=None, quant_type_id=0,
                                activation=None, a1_gscale=None, a2_gscale=None, g1_alphas=None,
                                g2_alphas=None, w1_zp=None, w2_zp=None, input_dtype=None, activation_config=None)
@@ -138,13 +158,24 @@ def test_fused_block_forward_composes_like_upstream(monkeypatch):
     f.block, f.top_k, f.renormalize, f.hidden, f.num_experts = block, k, True, H, E
     f.disabled, f._marlin = None, (re_, fe)
     monkeypatch.setattr("vllm.scalar_type.ScalarType.from_id", staticmethod(lambda i: "uint4b8"))
-    out = f.forward(x)
+    is_padding = torch.zeros(16, dtype=torch.bool)  # the runner's persistent mask
+    is_padding[pad_rows] = True
+    ctx = create_forward_context(None, VllmConfig(device_config=DeviceConfig(device="cpu")), is_padding=is_padding)
+    with override_forward_context(ctx):
+        out = f.forward(x)
+    real = [m for m in range(M) if m not in pad_rows]
+    assert sorted(set(read)) == real  # padded rows read no expert
+    (ids_cap,) = captured
+    assert (ids_cap[pad_rows] == -1).all() and (ids_cap[real] >= 0).all()
+    assert torch.equal(block.experts.router._routing_replay_out[:M], ids_cap.to(torch.int16))
 
     # upstream semantics
     logits = torch.nn.functional.linear(x.float(), gw.float()).bfloat16()
     w, ids = mf.ref_topk_softmax(logits, k)
+    assert torch.equal(ids[real].int(), ids_cap[real])
     routed = torch.stack([torch.stack([(w[t, j] * expert(int(ids[t, j]), x[t])).bfloat16().float()
-                                       for j in range(k)]) for t in range(M)])
+                                       if t in real else torch.zeros(H) for j in range(k)])
+                          for t in range(M)])
     sg = torch.nn.functional.linear(x.float(), sgw.float()).bfloat16().float()[:, 0]
     ref, _ = mf.ref_shared_block(x, u_gu, s_gu, u_dn, s_dn, sg, routed)
     assert out.shape == (M, H) and out.dtype == torch.bfloat16

@@ -192,6 +192,20 @@ def test_gate_reading(monkeypatch):
     assert not draft_embed_on_host(3)
 
 
+def test_pp1_says_which_half_applies(monkeypatch):
+    """At PP=1 the gate reads "on" but the embed stays on the GPU: one line
+    says so (only the lm_head copy is skipped)."""
+    import vllm.models.qwen4_exp.nvidia.mtp_fit as mf
+
+    monkeypatch.setenv("VLLM_MTP_FIT", "1")
+    said = []
+    monkeypatch.setattr(mf.logger, "info_once", lambda msg, *a, **k: said.append(msg % a))
+    assert not mf.draft_embed_on_host(1)
+    assert len(said) == 1 and "PP=1" in said[0] and "lm_head" in said[0]
+    said.clear()
+    assert mf.draft_embed_on_host(3) and not said
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_draft_ct_names_remapped(monkeypatch, on):
     """mtp-01: the checkpoint's compressed-tensors config names MTP modules
