@@ -462,6 +462,7 @@ def summarize_ms(xs):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    load_before = round(os.getloadavg()[0], 2)
     _quiet_cpu_env()
     sys.path.insert(0, str(REPO / "scripts"))
     import kv_capacity as kc
@@ -558,7 +559,13 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             print("interrupted: keeping the cases measured so far", file=sys.stderr)
         out["ranks"] = [per_rank[r] for r in range(args.pp) if per_rank[r]["cases"]]
-    out["host"] = {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in
+                      Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), None) \
+        if Path("/proc/cpuinfo").exists() else None
+    out["host"] = {"cpus": os.cpu_count(), "cpu_model": cpu_model,
+                   "loadavg_1m_before": load_before,
+                   "loadavg_1m": round(os.getloadavg()[0], 2),
                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     for r in out["ranks"]:
         for c in r["cases"]:
