@@ -102,6 +102,7 @@ class LaunchCounter:
 
     def __init__(self):
         self.count = 0
+        self.names: set[str] = set()
 
     def install(self):
         from triton.runtime.jit import JITFunction
@@ -109,8 +110,12 @@ class LaunchCounter:
         counter = self
 
         def getitem(fn, grid):
+            name = getattr(fn, "__name__", None) or getattr(
+                getattr(fn, "fn", None), "__name__", repr(fn))
+
             def launch(*a, **k):
                 counter.count += 1
+                counter.names.add(name)
             return launch
 
         JITFunction.__getitem__ = getitem
@@ -563,6 +568,7 @@ def main(argv=None) -> int:
                       Path("/proc/cpuinfo").read_text().splitlines()
                       if ln.startswith("model name")), None) \
         if Path("/proc/cpuinfo").exists() else None
+    out["kernels_not_run"] = sorted(counter.names)
     out["host"] = {"cpus": os.cpu_count(), "cpu_model": cpu_model,
                    "loadavg_1m_before": load_before,
                    "loadavg_1m": round(os.getloadavg()[0], 2),

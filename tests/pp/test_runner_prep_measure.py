@@ -62,7 +62,7 @@ def test_json_layout(measured):
             assert c["sum_of_piece_medians_ms"] > 0
             assert isinstance(c["launches_per_step"], int)
     assert "rank 2 reqs 2: total median" in stderr
-    assert {"real", "emulated", "not_run", "host"} <= set(data)
+    assert {"real", "emulated", "not_run", "kernels_not_run", "host"} <= set(data)
 
 
 def test_prep_from_reads_each_rank(measured):
