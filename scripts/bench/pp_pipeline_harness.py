@@ -46,6 +46,9 @@ class HarnessConfig:
     prep_ms: float = 0.0  # input/attention-metadata prep per rank
     gpu_ms: float = 0.0  # forward (launch + device) per rank
     rank0_prep_ms: float | None = None  # slow stage 0 (None: prep_ms)
+    # Per-rank prep (index = rank), e.g. measured by
+    # scripts/bench/measure_runner_prep.py; overrides prep_ms/rank0_prep_ms.
+    rank_prep_ms: tuple[float, ...] | None = None
     # Steps whose .tensors a rank does not read: "none", "mixed" (per rank and
     # step, pseudo-random, about 1 in 3), "all".
     unread: str = "none"
@@ -66,6 +69,15 @@ def expected_hidden(step: int, src_rank: int):
     import torch
 
     return torch.arange(NUMEL, dtype=torch.float32) + 1000.0 * step + src_rank
+
+
+def rank_prep_ms(cfg: HarnessConfig, rank: int) -> float:
+    """Input-preparation time of ``rank`` per step."""
+    if cfg.rank_prep_ms is not None:
+        return float(cfg.rank_prep_ms[rank])
+    if rank == 0 and cfg.rank0_prep_ms is not None:
+        return cfg.rank0_prep_ms
+    return cfg.prep_ms
 
 
 def is_unread(cfg: HarnessConfig, rank: int, step: int) -> bool:
@@ -120,9 +132,7 @@ class HarnessRunner:
             prev = self._prev_forward_step(step)
             if prev is not None:
                 self.expect_token(prev)
-        prep_ms = cfg.prep_ms
-        if rank == 0 and cfg.rank0_prep_ms is not None:
-            prep_ms = cfg.rank0_prep_ms
+        prep_ms = rank_prep_ms(cfg, rank)
         self.log("prep_start", step)
         if prep_ms:
             time.sleep(prep_ms / 1e3)
