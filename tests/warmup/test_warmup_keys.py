@@ -183,17 +183,25 @@ def test_hc_replay_keys_are_warm():
     limits = COMPOSE  # the MTP limits' decode rows (2, 4) are a subset
     mix = _hc_mix()
     with recording() as recs:
-        kw.warmup_hc_mix(mix, HC_WIDTH, limits.fused_decode_tokens(), limits.prefill_token_classes(),
+        kw.warmup_hc_mix(mix, HC_WIDTH, limits.fused_decode_tokens(), kw.hc_prefill_tokens(limits),
                          torch.device("cpu"))
     warm = keys_of(recs)
     with recording() as recs:
         for rows, _ in decode_batches(limits):
             mix(torch.zeros(rows, HC_WIDTH, dtype=torch.bfloat16))
-        for m in (9, 17):  # prefill: the dequant kernel's args do not depend on M
+        # prefill: every chunk size; the INT8 GEMMs' tile config follows the
+        # token bucket, M itself is not specialised
+        for m in range(9, limits.max_num_batched_tokens + 1):
             mix(torch.zeros(m, HC_WIDTH, dtype=torch.bfloat16))
     replay = keys_of(recs)
     assert recs["_hc_down_inject_silu_kernel"].launches and recs["_hc_up_gate_mix_kernel"].launches
+    assert recs["_hc_prefill_down_kernel"].launches and recs["_hc_prefill_up_kernel"].launches
     assert not missing(warm, replay), missing(warm, replay)
+    # the negative control: the Triton classes alone (9, 16) miss buckets
+    with recording() as recs:
+        kw.warmup_hc_mix(mix, HC_WIDTH, limits.fused_decode_tokens(),
+                         limits.prefill_token_classes(), torch.device("cpu"))
+    assert missing(keys_of(recs), replay)
 
 
 # ----------------------------------------------------------------------------
@@ -237,9 +245,9 @@ def test_qsa_overflow_splits_are_warm():
 
     starts = _qsa_split_points(13)
     assert len(starts) > 1, "the case must overflow the arena and split"
-    if any(s % 4 for s in starts):
-        pytest.xfail(f"0220 splits at row offsets {starts}: an int32 token_to_req[half:] not "
-                     "16-byte aligned is a new key (the qsa fix splits at multiples of 4)")
+    # an int32 token_to_req[half:] not 16-byte aligned would be a new key:
+    # 0220 splits at multiples of split_row_quantum (4 rows)
+    assert not any(s % 4 for s in starts), starts
     kv_cache, bt, *_, hd, q_heads, width = _qsa_case(13)
     arena = hk.QSAStagingArena(1, 64, 2, hd, "cpu")
     with recording() as recs:
@@ -247,7 +255,7 @@ def test_qsa_overflow_splits_are_warm():
                                                   selection_width=width)
         qsa_ops.warmup_qsa_sparse_paged_attention(arena.kv_view, bt, num_query_heads=q_heads,
                                                   selection_width=width)
-        hk.warmup_staging(kv_cache, arena)
+        hk.warmup_staging(kv_cache, arena, bt, max_rows=33, selection_width=width)
     warm = keys_of(recs)
     with recording() as recs:
         for rows in (5, 7, 9, 13, 17, 31, 33):

@@ -54,7 +54,7 @@ def test_moe_warm_variants_fit_sm86(monkeypatch):
 def test_hc_warm_variants_fit_sm86():
     mix = _hc_mix()
     with recording() as recs:
-        kw.warmup_hc_mix(mix, HC_WIDTH, COMPOSE.fused_decode_tokens(), COMPOSE.prefill_token_classes(),
+        kw.warmup_hc_mix(mix, HC_WIDTH, COMPOSE.fused_decode_tokens(), kw.hc_prefill_tokens(COMPOSE),
                          torch.device("cpu"))
     names = [n for n in ("_hc_down_inject_silu_kernel", "_hc_up_gate_mix_kernel", "_hc_dequant_kernel")
              if recs[n].keys]
