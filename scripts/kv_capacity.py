@@ -51,6 +51,7 @@ DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "fp8": 1, "float8_e4m3fn": 1, "fp8_e4m3": 1,
+    "fp8_e5m2": 1, "float8_e5m2": 1, "uint8": 1,
 }
 
 # Kernel block alignment of the attention block: FA/QSA kernels take
@@ -65,6 +66,16 @@ BLOCK_ALIGN = 16
 # 9,776; at 64 B it would be 12,528 / 10,080), so R = 61/42/85 and the SPEC
 # capacity figures hold.  The QSA part still fits the page either way.
 QSA_VRAM_MARGIN_BYTES_PER_TOKEN = 2
+
+# Element types of the QSA main K/V (the host-resident pool under offload).
+# bf16 is what 0220 stores today; fp8 is upstream's QSA FP8 cache (e4m3, or
+# e5m2 where Triton cannot lower e4m3: below sm_89, i.e. the 3090), stored as
+# 1-byte elements and planned for an opt-in VLLM_QSA_KV_FP8 patch.
+QSA_KV_DTYPES = ("bf16", "fp8")
+# Upstream's QSA FP8 scaling is per tensor: one K and one V scale per layer,
+# host-side floats (layer._k_scale_float / _v_scale_float) folded into the
+# kernel's softmax and output scales.  Nothing is stored per token.
+QSA_KV_SCALE_BYTES_PER_TOKEN = {"bf16": 0, "fp8": 0}
 
 
 def dtype_bytes(name: str) -> int:
@@ -149,9 +160,14 @@ def ple_page_bytes(cfg: dict, num_spec: int = 0) -> int:
     return chans * (state_len + num_spec) * dtype_bytes(dt)
 
 
-def qsa_kv_bytes_per_token(cfg: dict, tp: int = 1) -> int:
-    """Main K/V of one QSA layer: 2 (K,V) x kv_heads/TP x head_dim x bf16 (nv/qsa.py:339-347)."""
-    return 2 * (int(cfg["num_key_value_heads"]) // tp) * int(cfg["head_dim"]) * 2
+def qsa_kv_bytes_per_token(cfg: dict, tp: int = 1, kv_dtype: str = "bf16") -> int:
+    """Main K/V of one QSA layer: 2 (K,V) x kv_heads/TP x head_dim x the K/V
+    element (nv/qsa.py:339-347), plus per-token scales (none: upstream's FP8
+    scales are per tensor).  bf16 2,048 B, fp8 1,024 B."""
+    if kv_dtype not in QSA_KV_DTYPES:
+        raise ValueError(f"QSA K/V dtype {kv_dtype!r}; use one of {QSA_KV_DTYPES}")
+    elems = 2 * (int(cfg["num_key_value_heads"]) // tp) * int(cfg["head_dim"])
+    return elems * dtype_bytes(kv_dtype) + QSA_KV_SCALE_BYTES_PER_TOKEN[kv_dtype]
 
 
 def qsa_compressed_key_bytes_per_token(cfg: dict, indexer_dtype: str = "bf16") -> int:
@@ -160,7 +176,10 @@ def qsa_compressed_key_bytes_per_token(cfg: dict, indexer_dtype: str = "bf16") -
 
 
 def qsa_vram_bytes_per_token(cfg: dict, indexer_dtype: str = "bf16") -> int:
-    """VRAM-resident bytes per token of one QSA layer once its K/V is in host RAM."""
+    """VRAM-resident bytes per token of one QSA layer once its K/V is in host RAM.
+    The K/V element type does not enter: host K/V takes no device bytes
+    (UniformTypeKVCacheSpecs.page_size_bytes skips it), so an fp8 K/V leaves
+    the block size and the device page as they are and halves the host pool."""
     return qsa_compressed_key_bytes_per_token(cfg, indexer_dtype) + QSA_VRAM_MARGIN_BYTES_PER_TOKEN
 
 
@@ -257,9 +276,10 @@ def capacity_layout(cfg: dict, *, pp_size: int = 1, partition: str | None = None
                     max_model_len: int, prefix_caching: bool, num_spec: int = 0,
                     num_mtp_layers: int | None = None, tp: int = 1,
                     indexer_dtype: str = "bf16", ssm_dtype: str | None = None,
-                    uses_mrope: bool = False, block_size: int | None = None) -> dict:
+                    uses_mrope: bool = False, block_size: int | None = None,
+                    kv_dtype: str = "bf16") -> dict:
     """Per-block geometry of the offload layout: block size, R, page per rank,
-    host K/V bytes per block per rank."""
+    host K/V bytes per block per rank (K/V elements of ``kv_dtype``)."""
     if num_mtp_layers is None:
         num_mtp_layers = int(cfg.get("mtp_num_hidden_layers", 1)) if num_spec else 0
     mode = "align" if prefix_caching else "none"
@@ -291,7 +311,7 @@ def capacity_layout(cfg: dict, *, pp_size: int = 1, partition: str | None = None
     per_rank_block = [max(sum(p for _, p, rr in g if rr == r) for g in groups)
                       for r in range(pp_size)]
     qsa = qsa_layers_per_rank(cfg, pp_size, partition, num_mtp_layers)
-    kv_tok = qsa_kv_bytes_per_token(cfg, tp)
+    kv_tok = qsa_kv_bytes_per_token(cfg, tp, kv_dtype)
     return {
         "block_size": block_size,
         "mamba_cache_mode": mode,
@@ -303,9 +323,11 @@ def capacity_layout(cfg: dict, *, pp_size: int = 1, partition: str | None = None
         "num_gdn_groups": sum(1 for g in groups if g[0][0] == "mamba:gdn"),
         "qsa_layers_per_rank": qsa,
         "qsa_vram_bytes_per_token": qsa_vram_bytes_per_token(cfg, indexer_dtype),
+        "qsa_kv_dtype": kv_dtype,
         "qsa_kv_bytes_per_token": kv_tok,
         "host_bytes_per_block_per_rank": [block_size * kv_tok * n for n in qsa],
-        # Prefill staging arena: (most QSA layers on any rank) x block x 2 KiB.
+        # Prefill staging arena: (most QSA layers on any rank) x block x K/V
+        # bytes per token (the arena holds the cache's dtype: bf16 2 KiB).
         "staging_arena_bytes": max(qsa) * block_size * kv_tok,
     }
 
