@@ -32,6 +32,14 @@ headroom left at the configured utilization; the table and --json print it.
 Concurrency is (blocks - 1) / R: vLLM holds one block back as the null block
 (783 MB -> 244 blocks -> 3.98 requests; the SPEC figures above count all).
 
+``--kv-dtype fp8`` plans the QSA K/V pool in FP8 (1 B per element instead of
+2; upstream's per-tensor scales add nothing per token): the same blocks,
+block size and requests x tokens for a given flag, half the pinned K/V, and
+the "PLE page cache" line says how much of the PLE table (``--ple-table-gib``,
+95.37 GiB) the freed RAM lets the page cache keep, out of ``--ram-total-gib``.
+Storing FP8 needs the VLLM_QSA_KV_FP8 patch, which is not written yet: fp8
+figures are a plan, not a served configuration.
+
 Pure Python (stdlib only), so it runs anywhere, without vllm or torch.
 """
 
@@ -51,6 +59,7 @@ DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "fp8": 1, "float8_e4m3fn": 1, "fp8_e4m3": 1,
+    "fp8_e5m2": 1, "float8_e5m2": 1, "uint8": 1,
 }
 
 # Kernel block alignment of the attention block: FA/QSA kernels take
@@ -65,6 +74,16 @@ BLOCK_ALIGN = 16
 # 9,776; at 64 B it would be 12,528 / 10,080), so R = 61/42/85 and the SPEC
 # capacity figures hold.  The QSA part still fits the page either way.
 QSA_VRAM_MARGIN_BYTES_PER_TOKEN = 2
+
+# Element types of the QSA main K/V (the host-resident pool under offload).
+# bf16 is what 0220 stores today; fp8 is upstream's QSA FP8 cache (e4m3, or
+# e5m2 where Triton cannot lower e4m3: below sm_89, i.e. the 3090), stored as
+# 1-byte elements and planned for an opt-in VLLM_QSA_KV_FP8 patch.
+QSA_KV_DTYPES = ("bf16", "fp8")
+# Upstream's QSA FP8 scaling is per tensor: one K and one V scale per layer,
+# host-side floats (layer._k_scale_float / _v_scale_float) folded into the
+# kernel's softmax and output scales.  Nothing is stored per token.
+QSA_KV_SCALE_BYTES_PER_TOKEN = {"bf16": 0, "fp8": 0}
 
 
 def dtype_bytes(name: str) -> int:
@@ -149,9 +168,14 @@ def ple_page_bytes(cfg: dict, num_spec: int = 0) -> int:
     return chans * (state_len + num_spec) * dtype_bytes(dt)
 
 
-def qsa_kv_bytes_per_token(cfg: dict, tp: int = 1) -> int:
-    """Main K/V of one QSA layer: 2 (K,V) x kv_heads/TP x head_dim x bf16 (nv/qsa.py:339-347)."""
-    return 2 * (int(cfg["num_key_value_heads"]) // tp) * int(cfg["head_dim"]) * 2
+def qsa_kv_bytes_per_token(cfg: dict, tp: int = 1, kv_dtype: str = "bf16") -> int:
+    """Main K/V of one QSA layer: 2 (K,V) x kv_heads/TP x head_dim x the K/V
+    element (nv/qsa.py:339-347), plus per-token scales (none: upstream's FP8
+    scales are per tensor).  bf16 2,048 B, fp8 1,024 B."""
+    if kv_dtype not in QSA_KV_DTYPES:
+        raise ValueError(f"QSA K/V dtype {kv_dtype!r}; use one of {QSA_KV_DTYPES}")
+    elems = 2 * (int(cfg["num_key_value_heads"]) // tp) * int(cfg["head_dim"])
+    return elems * dtype_bytes(kv_dtype) + QSA_KV_SCALE_BYTES_PER_TOKEN[kv_dtype]
 
 
 def qsa_compressed_key_bytes_per_token(cfg: dict, indexer_dtype: str = "bf16") -> int:
@@ -160,7 +184,10 @@ def qsa_compressed_key_bytes_per_token(cfg: dict, indexer_dtype: str = "bf16") -
 
 
 def qsa_vram_bytes_per_token(cfg: dict, indexer_dtype: str = "bf16") -> int:
-    """VRAM-resident bytes per token of one QSA layer once its K/V is in host RAM."""
+    """VRAM-resident bytes per token of one QSA layer once its K/V is in host RAM.
+    The K/V element type does not enter: host K/V takes no device bytes
+    (UniformTypeKVCacheSpecs.page_size_bytes skips it), so an fp8 K/V leaves
+    the block size and the device page as they are and halves the host pool."""
     return qsa_compressed_key_bytes_per_token(cfg, indexer_dtype) + QSA_VRAM_MARGIN_BYTES_PER_TOKEN
 
 
@@ -257,9 +284,10 @@ def capacity_layout(cfg: dict, *, pp_size: int = 1, partition: str | None = None
                     max_model_len: int, prefix_caching: bool, num_spec: int = 0,
                     num_mtp_layers: int | None = None, tp: int = 1,
                     indexer_dtype: str = "bf16", ssm_dtype: str | None = None,
-                    uses_mrope: bool = False, block_size: int | None = None) -> dict:
+                    uses_mrope: bool = False, block_size: int | None = None,
+                    kv_dtype: str = "bf16") -> dict:
     """Per-block geometry of the offload layout: block size, R, page per rank,
-    host K/V bytes per block per rank."""
+    host K/V bytes per block per rank (K/V elements of ``kv_dtype``)."""
     if num_mtp_layers is None:
         num_mtp_layers = int(cfg.get("mtp_num_hidden_layers", 1)) if num_spec else 0
     mode = "align" if prefix_caching else "none"
@@ -291,7 +319,7 @@ def capacity_layout(cfg: dict, *, pp_size: int = 1, partition: str | None = None
     per_rank_block = [max(sum(p for _, p, rr in g if rr == r) for g in groups)
                       for r in range(pp_size)]
     qsa = qsa_layers_per_rank(cfg, pp_size, partition, num_mtp_layers)
-    kv_tok = qsa_kv_bytes_per_token(cfg, tp)
+    kv_tok = qsa_kv_bytes_per_token(cfg, tp, kv_dtype)
     return {
         "block_size": block_size,
         "mamba_cache_mode": mode,
@@ -303,9 +331,11 @@ def capacity_layout(cfg: dict, *, pp_size: int = 1, partition: str | None = None
         "num_gdn_groups": sum(1 for g in groups if g[0][0] == "mamba:gdn"),
         "qsa_layers_per_rank": qsa,
         "qsa_vram_bytes_per_token": qsa_vram_bytes_per_token(cfg, indexer_dtype),
+        "qsa_kv_dtype": kv_dtype,
         "qsa_kv_bytes_per_token": kv_tok,
         "host_bytes_per_block_per_rank": [block_size * kv_tok * n for n in qsa],
-        # Prefill staging arena: (most QSA layers on any rank) x block x 2 KiB.
+        # Prefill staging arena: (most QSA layers on any rank) x block x K/V
+        # bytes per token (the arena holds the cache's dtype: bf16 2 KiB).
         "staging_arena_bytes": max(qsa) * block_size * kv_tok,
     }
 
@@ -370,6 +400,14 @@ HC_DECODE_PARTIALS = 128 * 1024
 HC_COUNTERS = 4096
 # 0500 ops/moe_fused.int6_to_planes(rows_per_chunk=256)
 INT6_ROWS_PER_CHUNK = 256
+# Host RAM of the target machine (README "Hardware and software": about
+# 125 GiB) and the PLE table read through its page cache (95.37 GiB, 320 B
+# rows), for the "PLE page cache" line.
+RAM_TOTAL_GIB = 125.0
+PLE_TABLE_GIB = 95.37
+# The FP8 QSA K/V pool is a plan until this gate's patch exists.
+KV_FP8_NOTE = ("fp8 QSA K/V needs the VLLM_QSA_KV_FP8 patch (not written yet): "
+               "these figures plan it, today's series stores bf16")
 # The write-up's figures, shown beside ours (never used in a sum).
 WRITEUP = {
     "vit_gib": 0.836, "vit_slots_mib": 58, "embed_int8_gib": 0.60,
@@ -381,6 +419,29 @@ WRITEUP = {
 
 def _align(n: int, a: int) -> int:
     return cdiv(n, a) * a
+
+
+def ple_page_cache(pinned_total_bytes: int, bf16_pinned_total_bytes: int,
+                   ram_total_bytes: int, table_bytes: int) -> dict:
+    """Host RAM left to the page cache once everything pinned is taken out
+    (an upper bound: the processes' own memory comes out of it too), the
+    share of the PLE table it can keep, and the RAM the K/V dtype frees
+    against bf16 at the same --kv-cache-memory-bytes."""
+    def room(pinned):
+        return max(0, ram_total_bytes - pinned)
+
+    def share(pinned):
+        return min(1.0, room(pinned) / table_bytes) if table_bytes > 0 else 1.0
+
+    return {"ram_total_bytes": ram_total_bytes, "ple_table_bytes": table_bytes,
+            "freed_vs_bf16_bytes": bf16_pinned_total_bytes - pinned_total_bytes,
+            "page_cache_bytes": room(pinned_total_bytes),
+            "ple_cached_bytes": min(room(pinned_total_bytes), table_bytes),
+            "ple_cached_fraction": share(pinned_total_bytes),
+            "freed_vs_bf16_gib": (bf16_pinned_total_bytes - pinned_total_bytes) / 2**30,
+            "ple_cached_gib": min(room(pinned_total_bytes), table_bytes) / 2**30,
+            "bf16_page_cache_bytes": room(bf16_pinned_total_bytes),
+            "bf16_ple_cached_fraction": share(bf16_pinned_total_bytes)}
 
 
 def usable_capacity(layout: dict, kv_cache_memory_bytes: int, max_model_len: int) -> dict:
@@ -576,7 +637,8 @@ def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: boo
 
     kv_host = [_align(b, HOST_PAGE) if b else 0 for b in cap["pinned_host_bytes_per_rank"]]
     row("QSA K/V pool", "0220+0210", "pinned", kv_host,
-        source="blocks x block x 2 KiB x QSA layers of the rank (capacity_layout)")
+        source=f"blocks x block x {lay['qsa_kv_bytes_per_token']} B ({lay['qsa_kv_dtype']}) "
+               "x QSA layers of the rank (capacity_layout)")
     vcfg = cfg.get("vision_config")
     if vit and vcfg:
         row("ViT blocks pool", "0610+0210", "pinned", only(0, vit_pinned_bytes(cfg)),
@@ -597,7 +659,8 @@ def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: boo
         return cuda_block_bytes(n, expandable_segments)
 
     row("QSA staging arena", "0220", "vram", [block(lay["staging_arena_bytes"])] * pp_size,
-        f"~{WRITEUP['staging_arena_mib']} MiB", "max QSA layers x block x 2 KiB (QSAStagingArena)",
+        f"~{WRITEUP['staging_arena_mib']} MiB (bf16)",
+        f"max QSA layers x block x {lay['qsa_kv_bytes_per_token']} B (QSAStagingArena)",
         requested=[lay["staging_arena_bytes"]] * pp_size)
     arena_layers = max(lay["qsa_layers_per_rank"])
     rc_tensors = row_cache_tensor_bytes(arena_layers, lay["block_size"])
@@ -694,6 +757,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp-layer-partition", default=None,
                    help="VLLM_PP_LAYER_PARTITION, e.g. 16,17,15")
     p.add_argument("--indexer-kv-dtype", default="bf16", choices=["bf16", "fp8"])
+    p.add_argument("--kv-dtype", default="bf16", choices=list(QSA_KV_DTYPES),
+                   help="QSA K/V element type in the host pool (default bf16; fp8 plans the "
+                        "not yet written VLLM_QSA_KV_FP8 patch: half the pinned K/V)")
+    p.add_argument("--ram-total-gib", type=float, default=RAM_TOTAL_GIB,
+                   help=f"host RAM, for the PLE page cache line (default {RAM_TOTAL_GIB:g})")
+    p.add_argument("--ple-table-gib", type=float, default=PLE_TABLE_GIB,
+                   help=f"PLE table size (default {PLE_TABLE_GIB}, the production table)")
     p.add_argument("--mamba-ssm-cache-dtype", default=None,
                    help="override the config's mamba_ssm_dtype")
     p.add_argument("--mrope", action="store_true", help="multimodal MRoPE positions in the ring")
@@ -726,17 +796,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.want:
         max_len = a.want[1]
     try:
-        lay = capacity_layout(cfg, pp_size=a.pp, partition=a.pp_layer_partition,
-                              max_model_len=max_len, prefix_caching=a.prefix_caching,
-                              num_spec=num_spec, indexer_dtype=a.indexer_kv_dtype,
-                              ssm_dtype=a.mamba_ssm_cache_dtype, uses_mrope=a.mrope)
+        lay_kw = dict(pp_size=a.pp, partition=a.pp_layer_partition,
+                      max_model_len=max_len, prefix_caching=a.prefix_caching,
+                      num_spec=num_spec, indexer_dtype=a.indexer_kv_dtype,
+                      ssm_dtype=a.mamba_ssm_cache_dtype, uses_mrope=a.mrope)
+        lay = capacity_layout(cfg, kv_dtype=a.kv_dtype, **lay_kw)
+        bf16_lay = capacity_layout(cfg, kv_dtype="bf16", **lay_kw)
     except (KeyError, ValueError) as e:
         sys.exit(f"kv_capacity: {e} (check --config and the layout flags)")
 
     other_items = other_pinned_items(cfg, a.pp, mtp=num_spec > 0, vit=a.vit)
     other = other_pinned_bytes(cfg, a.pp, mtp=num_spec > 0, vit=a.vit)
     out = {"config": str(a.config), "max_model_len": max_len, "pp": a.pp,
-           "num_speculative_tokens": num_spec, "layout": lay}
+           "num_speculative_tokens": num_spec, "kv_dtype": a.kv_dtype, "layout": lay}
+    if a.kv_dtype != "bf16":
+        out["kv_dtype_note"] = KV_FP8_NOTE
     flag = a.kv_cache_memory_bytes
     if a.want:
         flag = flag_for_usable_requests(lay, a.want[0])
@@ -769,6 +843,10 @@ def main(argv: list[str] | None = None) -> int:
     out["pinned_other_bytes_per_rank"] = other
     out["pinned_total_bytes_per_rank"] = [k + o for k, o in zip(kv_host, other)]
     out["pinned_total_gib"] = sum(out["pinned_total_bytes_per_rank"]) / 2**30
+    bf16_kv_host = usable_capacity(bf16_lay, flag, max_len)["pinned_host_bytes"]
+    out["ple_page_cache"] = ple_page_cache(
+        sum(out["pinned_total_bytes_per_rank"]), bf16_kv_host + sum(other),
+        int(a.ram_total_gib * 2**30), int(a.ple_table_gib * 2**30))
     weights = None
     if a.weights_gib:
         weights = [float(x) for x in a.weights_gib.split(",")]
@@ -788,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     c = out["capacity"]
     gib = 2**30
     print(f"config            {a.config}")
+    if "kv_dtype_note" in out:
+        print(f"NOTE              {out['kv_dtype_note']}")
     print(f"layout            PP={a.pp} QSA layers/rank {lay['qsa_layers_per_rank']}, "
           f"spec tokens {num_spec}, mamba mode {lay['mamba_cache_mode']}")
     print(f"mamba page        {lay['mamba_page_bytes']:,} B; block page {lay['page_bytes']:,} B")
@@ -801,7 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"--kv-cache-memory-bytes {c['kv_cache_memory_bytes']:,} -> {c['blocks']} blocks "
           f"({c['usable_blocks']} usable: vLLM holds {c['null_blocks']} back as the null block)")
     print(f"capacity          {c['requests']:.2f} requests x {max_len:,} = {c['tokens']:,} tokens")
-    print(f"pinned host RAM   {c['pinned_host_gib']:.1f} GiB "
+    print(f"pinned host RAM   {c['pinned_host_gib']:.1f} GiB {a.kv_dtype} K/V "
+          f"({lay['qsa_kv_bytes_per_token']:,} B/token/layer) "
           f"({c['pinned_per_kv_byte']:.1f} x kv bytes); per rank "
           + ", ".join(f"{b / gib:.2f}" for b in c["pinned_host_bytes_per_rank"]) + " GiB")
     if any(other):
@@ -812,6 +893,14 @@ def main(argv: list[str] | None = None) -> int:
           + f" MiB (incl. {lay['staging_arena_bytes'] / 2**20:.1f} MiB staging arena)")
     print(f"per block cost    {c['tokens_per_mib_vram']:,.0f} tokens/MiB VRAM, "
           f"{c['tokens_per_gib_ram']:,.0f} tokens/GiB pinned RAM")
+    pc = out["ple_page_cache"]
+    print(f"PLE page cache    {pc['freed_vs_bf16_bytes'] / gib:.1f} GiB pinned RAM freed vs bf16 at this flag; "
+          f"{pc['page_cache_bytes'] / gib:.1f} of {pc['ram_total_bytes'] / gib:g} GiB RAM unpinned "
+          "(--ram-total-gib)\n"
+          f"                  -> {pc['ple_cached_bytes'] / gib:.1f} GiB "
+          f"({100 * pc['ple_cached_fraction']:.0f} %) of the {pc['ple_table_bytes'] / gib:.2f} GiB "
+          f"PLE table can stay cached (bf16 K/V: {100 * pc['bf16_ple_cached_fraction']:.0f} %); "
+          "an upper bound: the processes' own memory comes out of it too")
     print_ledger(out["ledger"], a.pp)
     return 0
 

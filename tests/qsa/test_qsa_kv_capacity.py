@@ -229,8 +229,90 @@ def test_vllm_copy_agrees_with_tool():
         for prefix in (False, True):
             for split in (None, "16,17,15", "20,14,14"):
                 for dt in ("bf16", "fp8"):
-                    kw = dict(pp_size=3, partition=split, max_model_len=262144,
-                              prefix_caching=prefix, num_spec=int(mtp), indexer_dtype=dt)
-                    assert qc.capacity_layout(CFG, **kw) == kc.capacity_layout(CFG, **kw)
+                    for kv in kc.QSA_KV_DTYPES:
+                        kw = dict(pp_size=3, partition=split, max_model_len=262144,
+                                  prefix_caching=prefix, num_spec=int(mtp), indexer_dtype=dt,
+                                  kv_dtype=kv)
+                        assert qc.capacity_layout(CFG, **kw) == kc.capacity_layout(CFG, **kw)
     assert qc.model_block_size(CFG, 3) == 12_144
     assert qc.model_block_size(CFG, 3, MTP_SPLIT, 1, 1) == 9_776
+
+
+# ---- --kv-dtype fp8: the FP8 QSA K/V pool (planned VLLM_QSA_KV_FP8 patch) ----
+
+def _cli_json(*args):
+    out = subprocess.run([sys.executable, str(Path(kc.__file__)), *args, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_kv_dtype_fp8_plan(mtp):
+    args = ["--kv-cache-memory-bytes", "550000000" if mtp else "783000000"]
+    if mtp:
+        args += ["--mtp", "--pp-layer-partition", MTP_SPLIT]
+    bf, f8 = _cli_json(*args), _cli_json(*args, "--kv-dtype", "fp8")
+    assert (bf["kv_dtype"], f8["kv_dtype"]) == ("bf16", "fp8")
+    # same blocks, block size, R and requests x tokens: the VRAM page is unchanged
+    for key in ("blocks", "usable_blocks", "requests", "tokens"):
+        assert bf["capacity"][key] == f8["capacity"][key]
+    for key in ("block_size", "R", "page_bytes"):
+        assert bf["layout"][key] == f8["layout"][key]
+    # the pinned K/V pool is the derivation's at 1 B per element: half of bf16
+    lay8 = layout(True, mtp, kv_dtype="fp8")
+    mem = f8["capacity"]["kv_cache_memory_bytes"]
+    assert f8["capacity"]["pinned_host_bytes"] == kc.usable_capacity(lay8, mem, 262144)[
+        "pinned_host_bytes"] == bf["capacity"]["pinned_host_bytes"] // 2
+    assert f8["layout"]["qsa_kv_bytes_per_token"] == kc.qsa_kv_bytes_per_token(CFG, kv_dtype="fp8")
+    # the arena holds the cache's dtype: half the VRAM for the same rows
+    assert f8["layout"]["staging_arena_bytes"] * 2 == bf["layout"]["staging_arena_bytes"]
+    # PLE page cache: the RAM freed and what it lets the table keep
+    pc, pb = f8["ple_page_cache"], bf["ple_page_cache"]
+    assert pb["freed_vs_bf16_bytes"] == 0 and pb["ple_cached_fraction"] == pc[
+        "bf16_ple_cached_fraction"]
+    freed = bf["capacity"]["pinned_host_bytes"] - f8["capacity"]["pinned_host_bytes"]
+    assert pc["freed_vs_bf16_bytes"] == freed > 0
+    assert pc["page_cache_bytes"] == pb["page_cache_bytes"] + freed
+    assert pc["ple_cached_fraction"] == kc.ple_page_cache(
+        sum(f8["pinned_total_bytes_per_rank"]), sum(bf["pinned_total_bytes_per_rank"]),
+        int(kc.RAM_TOTAL_GIB * 2**30), int(kc.PLE_TABLE_GIB * 2**30))["ple_cached_fraction"]
+    assert pc["ple_cached_fraction"] > pb["ple_cached_fraction"]
+    # fp8 is a plan until its patch exists, and the output says so
+    assert "kv_dtype_note" not in bf and "VLLM_QSA_KV_FP8" in f8["kv_dtype_note"]
+    text = subprocess.run([sys.executable, str(Path(kc.__file__)), *args, "--kv-dtype", "fp8"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "VLLM_QSA_KV_FP8" in text and "PLE page cache" in text
+
+
+def test_kv_dtype_fp8_inverse():
+    # a RAM budget buys twice the blocks (VRAM permitting: see the ledger's headroom)
+    f8 = _cli_json("--ram-budget-gib", "70", "--kv-dtype", "fp8")
+    bf = _cli_json("--ram-budget-gib", "70")
+    budget = int(70 * 2**30) - sum(f8["pinned_other_bytes_per_rank"])
+    assert f8["inverse"]["kv_cache_memory_bytes_max"] == kc.flag_for_ram_budget(
+        layout(True, kv_dtype="fp8"), budget)
+    assert f8["capacity"]["blocks"] in (2 * bf["capacity"]["blocks"],
+                                        2 * bf["capacity"]["blocks"] + 1)
+    assert sum(f8["pinned_total_bytes_per_rank"]) <= 70 * 2**30
+    # --want: the same flag (VRAM-bound), half the pinned K/V
+    w8, wb = _cli_json("--want", "4x262144", "--kv-dtype", "fp8"), _cli_json("--want", "4x262144")
+    assert w8["inverse"] == wb["inverse"]
+    assert w8["capacity"]["pinned_host_bytes"] * 2 == wb["capacity"]["pinned_host_bytes"]
+
+
+def test_ple_page_cache_bounds():
+    gib = 2**30
+    # nothing left unpinned: nothing of the table cached; a small table: all of it
+    none = kc.ple_page_cache(130 * gib, 130 * gib, 125 * gib, 95 * gib)
+    assert none["page_cache_bytes"] == 0 and none["ple_cached_fraction"] == 0.0
+    full = kc.ple_page_cache(10 * gib, 20 * gib, 125 * gib, 95 * gib)
+    assert full["ple_cached_fraction"] == 1.0 and full["ple_cached_bytes"] == 95 * gib
+    assert full["freed_vs_bf16_bytes"] == 10 * gib and full["bf16_page_cache_bytes"] == 105 * gib
+    half = kc.ple_page_cache(75 * gib, 75 * gib, 125 * gib, 100 * gib)
+    assert half["ple_cached_fraction"] == 0.5
+    # --ram-total-gib / --ple-table-gib reach it
+    d = _cli_json("--kv-cache-memory-bytes", "783000000", "--ram-total-gib", "96",
+                  "--ple-table-gib", "50")
+    pc = d["ple_page_cache"]
+    assert pc["ram_total_bytes"] == 96 * gib and pc["ple_table_bytes"] == 50 * gib
+    assert pc["page_cache_bytes"] == 96 * gib - sum(d["pinned_total_bytes_per_rank"])
