@@ -398,8 +398,11 @@ MTP_ALIGN = 256
 # _COUNTERS int32), allocated at load time, before graph capture.
 HC_DECODE_PARTIALS = 128 * 1024
 HC_COUNTERS = 4096
-# 0500 ops/moe_fused.int6_to_planes(rows_per_chunk=256)
-INT6_ROWS_PER_CHUNK = 256
+# 0500 ops/moe_fused.int6_to_planes: chunk temporaries (_CHUNK_TEMP_BYTES);
+# the shared expert's intermediate size (bench_moe_fused.py I; the text
+# config of the checkpoint does not name it).
+INT6_CHUNK_TEMP_BYTES = 1 << 20
+SHARED_EXPERT_INTERMEDIATE = 640
 # Host RAM of the target machine (README "Hardware and software": about
 # 125 GiB) and the PLE table read through its page cache (95.37 GiB, 320 B
 # rows), for the "PLE page cache" line.
@@ -570,16 +573,45 @@ def cuda_block_bytes(nbytes: int, expandable_segments: bool = True) -> int:
     return r if seg - r > 1 << 20 else seg
 
 
-def row_cache_tensor_bytes(num_layers: int, num_lines: int) -> list[int]:
-    """0250 QSARowCache.__init__: tags, hitmarks, claims (int64 per line),
-    epochs (int64 per layer), stats (2 x int64 per layer)."""
-    return [8 * num_layers * num_lines] * 3 + [8 * num_layers, 16 * num_layers]
+# ---- 0220/0250 device sizes (keep identical to the section after END
+# DERIVATION in vllm/models/qwen4_exp/common/qsa_capacity.py) ----
+ALLOC_ROUND = 512
+# cumsum_ of the staging ranks runs one CUB scan whose tile-state workspace
+# is ~16 B per 1,920 items (12 KiB at 1.5 M slots); this bounds it.
+SCAN_WORKSPACE_BYTES = 64 * 1024
 
 
-def row_cache_state_bytes(num_layers: int, num_lines: int) -> int:
-    """0250 QSARowCache.__init__: tags, hitmarks, claims (int64 per line),
-    epochs (int64 per layer), stats (2 x int64 per layer)."""
-    return 3 * 8 * num_layers * num_lines + 8 * num_layers + 16 * num_layers
+def alloc_bytes(nbytes: int) -> int:
+    return cdiv(max(int(nbytes), 1), ALLOC_ROUND) * ALLOC_ROUND
+
+
+def stage_transient_bytes(num_rows: int, packed_width: int, num_cache_blocks: int,
+                          block_size: int, arena_rows: int, num_requests: int,
+                          table_width: int) -> int:
+    """Peak device bytes one prefill staging call (0220 stage_selected_rows)
+    allocates beyond the arena (int32 rank per slot, distinct slots,
+    rewritten indices, arena block table, scan workspace)."""
+    num_slots = num_cache_blocks * block_size
+    return (alloc_bytes(4 * (num_slots + 1))
+            + alloc_bytes(4 * arena_rows)
+            + alloc_bytes(4 * num_rows * packed_width)
+            + alloc_bytes(4 * num_requests * table_width)
+            + ALLOC_ROUND
+            + SCAN_WORKSPACE_BYTES)
+
+
+def row_cache_lines(arena_rows: int, num_layers: int) -> int:
+    """0250: lines per QSA layer, the arena's rows split evenly among the
+    rank's QSA layers (rounded down to even)."""
+    return arena_rows // max(1, num_layers) // 2 * 2
+
+
+def row_cache_state_bytes(arena_rows: int, num_layers: int) -> int:
+    """0250: the rank's row-cache state, one int64 tensor allocated with the
+    arena at startup (24 B per line + 32 B per layer)."""
+    lines = row_cache_lines(arena_rows, num_layers)
+    return alloc_bytes(8 * (3 * num_layers * lines + 4 * num_layers))
+# ---- end of the 0220/0250 device sizes ----
 
 
 def hc_split_k_scratch_bytes() -> int:
@@ -588,35 +620,26 @@ def hc_split_k_scratch_bytes() -> int:
 
 
 def hc_prefill_transient_bytes(cfg: dict) -> int:
-    """0400 hc_int8_prefill_mix: the bf16 copies dequant_bf16 makes of the
-    down [padded(lora + hc), hc x H] and up [hc x H, lora] weights (both
-    counted: an upper bound of one layer's step).  hc-prefill removes them:
-    set to 0 or to its size function after that merge."""
-    hc, hidden, lora = int(cfg.get("hc_count", 4)), int(cfg["hidden_size"]), int(cfg["hc_lowrank"])
-    down = _align(lora + hc, 16) * hc * hidden * 2
-    up = hc * hidden * lora * 2
-    return down + up
+    """0400 prefill (> 8 tokens): the W8A16 GEMMs read weight_packed as
+    stored, so no bf16 weight copy exists any more (it was 6.56 MiB per call
+    with dequant + cuBLAS); activations are in vLLM's own profile run."""
+    del cfg
+    return 0
 
 
 def int6_relayout_transient_bytes(cfg: dict) -> int:
-    """0500 int6_to_planes: one 256-row chunk of int32 temporaries (unpack:
-    bytes, trio, shifted, masked; planes: u, lo, hi, shifted: <= 16 B per
-    weight) at the largest K (hidden_size).  Load time only.  nocompile
-    changes the re-layout: replace by its size function after that merge."""
-    return INT6_ROWS_PER_CHUNK * int(cfg["hidden_size"]) * 16
-
-
-def staging_temporaries_bytes(cfg: dict, rows: int) -> int:
-    """0220 stage_selected_rows for one prefill step of ``rows`` query rows x
-    indexer_budget selected columns: idx, safe_idx, page, physical, slots,
-    selected, inverse (int64), new_idx + block-table gather (int32), valid
-    (bool): 65 B per selected entry, all alive at the unique() call.  qsa
-    changes these temporaries: re-check after that merge."""
-    return rows * int(cfg["indexer_budget"]) * (7 * 8 + 2 * 4 + 1)
+    """0500 int6_to_planes at load: one new buffer of the original size is
+    written while the original lives (then freed), plus chunk temporaries in
+    the small pool (<= _CHUNK_TEMP_BYTES = 1 MiB). Largest linear: the shared
+    expert's gate_up, [2 x I, H] INT6 (6 bits per weight)."""
+    h = int(cfg["hidden_size"])
+    i = int(cfg.get("shared_expert_intermediate_size", SHARED_EXPERT_INTERMEDIATE))
+    return max(2 * i * h, h * i) * 6 // 8 + INT6_CHUNK_TEMP_BYTES
 
 
 def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: bool,
            vit_built: bool = True, max_num_batched_tokens: int = 512,
+           max_num_seqs: int = 4, max_model_len: int = 262144,
            weights_gib: list[float] | None = None, gpu_total_mib: float = 24576,
            gpu_memory_utilization: float = 0.97, expandable_segments: bool = True) -> dict:
     """Per-rank rows (name, patch, kind, bytes per rank, write-up figure).
@@ -663,10 +686,13 @@ def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: boo
         f"max QSA layers x block x {lay['qsa_kv_bytes_per_token']} B (QSAStagingArena)",
         requested=[lay["staging_arena_bytes"]] * pp_size)
     arena_layers = max(lay["qsa_layers_per_rank"])
-    rc_tensors = row_cache_tensor_bytes(arena_layers, lay["block_size"])
-    row("QSA row-cache state", "0250", "vram", [sum(map(block, rc_tensors))] * pp_size,
-        f"{WRITEUP['row_cache_state_mib']} MiB", "row_cache_state_bytes (QSARowCache)",
-        requested=[row_cache_state_bytes(arena_layers, lay["block_size"])] * pp_size)
+    arena_rows = arena_layers * lay["block_size"]
+    rc_state = [row_cache_state_bytes(arena_rows, n) if n else 0
+                for n in lay["qsa_layers_per_rank"]]
+    row("QSA row-cache state", "0250", "vram", [block(n) for n in rc_state],
+        f"{WRITEUP['row_cache_state_mib']} MiB",
+        "row_cache_state_bytes (arena rows / the rank's QSA layers lines)",
+        requested=rc_state)
     row("HC split-K scratch", "0400", "vram",
         [block(HC_DECODE_PARTIALS * 4) + block(HC_COUNTERS * 4)] * pp_size,
         "528 KiB", "split_k_scratch", requested=[hc_split_k_scratch_bytes()] * pp_size)
@@ -679,9 +705,14 @@ def ledger(cfg: dict, lay: dict, cap: dict, *, pp_size: int, mtp: bool, vit: boo
         [hc_prefill_transient_bytes(cfg)] * pp_size, None, "hc_prefill_transient_bytes")
     row("INT6 re-layout transient", "0500", "transient",
         [int6_relayout_transient_bytes(cfg)] * pp_size, None, "int6_relayout_transient_bytes (load)")
+    stage = stage_transient_bytes(
+        max_num_batched_tokens, int(cfg["indexer_budget"]) + 1, cap["blocks"],
+        lay["block_size"], arena_rows, max_num_seqs, cdiv(max_model_len, lay["block_size"]))
     row("QSA staging temporaries", "0220", "transient",
-        [staging_temporaries_bytes(cfg, max_num_batched_tokens)] * pp_size, None,
-        f"staging_temporaries_bytes ({max_num_batched_tokens} rows)")
+        [stage if n else 0 for n in lay["qsa_layers_per_rank"]],
+        "94.5 MB before (int64 + torch.unique, H200)",
+        f"stage_transient_bytes ({max_num_batched_tokens} rows x "
+        f"{int(cfg['indexer_budget']) + 1} columns; H200 measured within it)")
 
     emb = int8_vocab_bytes(cfg)
     row("embed_tokens not built", "0600", "removed",
@@ -856,6 +887,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = WRITEUP["weights_gib_pp3"]
     out["ledger"] = ledger(cfg, lay, out["capacity"], pp_size=a.pp, mtp=num_spec > 0, vit=a.vit,
                            max_num_batched_tokens=a.max_num_batched_tokens,
+                           max_model_len=max_len,
                            weights_gib=weights, gpu_total_mib=a.gpu_total_mib,
                            gpu_memory_utilization=a.gpu_memory_utilization,
                            expandable_segments=a.expandable)

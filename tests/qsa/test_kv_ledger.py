@@ -98,18 +98,35 @@ def test_arena_and_row_cache_state_from_their_classes(mtp):
     arena = QSAStagingArena(layers, lay["block_size"], CFG["num_key_value_heads"],
                             CFG["head_dim"], "meta")
     assert arena.nbytes == lay["staging_arena_bytes"]
-    rc = QSARowCache(arena.buffer)
-    state = sum(t.nbytes for t in (rc.tags, rc.hitmarks, rc.claims, rc.epochs, rc.stats))
-    assert state == kc.row_cache_state_bytes(layers, lay["block_size"])
     led = kc.ledger(CFG, lay, kc.usable_capacity(lay, 783_000_000, 262144), pp_size=3,
                     mtp=mtp, vit=True)
     row = {r["name"]: r for r in led["rows"]}
-    assert row["QSA row-cache state"]["requested_bytes_per_rank"] == [state] * 3
+    # 0250: one state tensor per rank, lines = the arena's rows over the
+    # rank's own QSA layers (QSARowCache built on the real arena)
+    want = []
+    for n in lay["qsa_layers_per_rank"]:
+        rc = QSARowCache(arena.buffer, n, epoch_limit=1 << 20)
+        want.append(kc.alloc_bytes(rc.state_bytes))
+        assert kc.alloc_bytes(rc.state_bytes) == kc.row_cache_state_bytes(arena.rows, n)
+    assert row["QSA row-cache state"]["requested_bytes_per_rank"] == want
+    assert row["QSA row-cache state"]["bytes_per_rank"] == [kc.cuda_block_bytes(n) for n in want]
     assert row["QSA staging arena"]["requested_bytes_per_rank"] == [arena.nbytes] * 3
-    tensors = (rc.tags, rc.hitmarks, rc.claims, rc.epochs, rc.stats)
-    assert row["QSA row-cache state"]["bytes_per_rank"] == [
-        sum(kc.cuda_block_bytes(t.nbytes) for t in tensors)] * 3
     assert row["QSA staging arena"]["bytes_per_rank"] == [kc.cuda_block_bytes(arena.nbytes)] * 3
+
+
+def test_qsa_device_size_functions_are_the_patch_copies():
+    """kv_capacity keeps a copy of 0220/0250's size functions: same source."""
+    import inspect
+
+    from vllm.models.qwen4_exp.common import qsa_capacity as qc
+
+    for name in ("alloc_bytes", "stage_transient_bytes", "row_cache_lines",
+                 "row_cache_state_bytes"):
+        body = lambda f: [l for l in inspect.getsource(f).split('"""')[-1].splitlines() if l.strip()]  # noqa: E731
+        assert body(getattr(kc, name)) == body(getattr(qc, name)), name
+    assert (kc.ALLOC_ROUND, kc.SCAN_WORKSPACE_BYTES) == (qc.ALLOC_ROUND, qc.SCAN_WORKSPACE_BYTES)
+    # the production figure both quote (H200 measured 16,250,880 B within it)
+    assert kc.stage_transient_bytes(512, 2052, 244, 12144, 4 * 12144, 4, 22) == 16_316_416
 
 
 def test_cuda_block_bytes_matches_the_h200_measurement():
@@ -123,15 +140,22 @@ def test_cuda_block_bytes_matches_the_h200_measurement():
     assert kc.cuda_block_bytes(32) == 512 and kc.cuda_block_bytes(0) == 0
 
 
-def test_hc_scratch_and_prefill_copy_from_hc_int8():
+def test_hc_scratch_and_no_prefill_copy():
     from vllm.models.qwen4_exp.nvidia.ops import hc_int8
 
     partials, counters = hc_int8.split_k_scratch(torch.device("meta"))
     assert partials.nbytes + counters.nbytes == kc.hc_split_k_scratch_bytes()
-    hc, h, lora = CFG["hc_count"], CFG["hidden_size"], CFG["hc_lowrank"]
-    down = hc_int8.padded_width(lora + hc) * hc * h * 2  # dequant_bf16(down, n_rows=padded)
-    up = hc * h * lora * 2
-    assert kc.hc_prefill_transient_bytes(CFG) == down + up
+    # 0400's prefill GEMMs read weight_packed: the dequant copies are gone
+    assert kc.hc_prefill_transient_bytes(CFG) == 0
+
+
+def test_int6_relayout_transient_from_moe_fused():
+    from vllm.models.qwen4_exp.nvidia.ops import moe_fused
+
+    assert kc.INT6_CHUNK_TEMP_BYTES == moe_fused._CHUNK_TEMP_BYTES
+    h, i = CFG["hidden_size"], kc.SHARED_EXPERT_INTERMEDIATE
+    packed = moe_fused.int6_pack_dense(torch.zeros(2 * i, h, dtype=torch.int32))
+    assert kc.int6_relayout_transient_bytes(CFG) == packed.nbytes + moe_fused._CHUNK_TEMP_BYTES
 
 
 def test_pool_alignment_constants():
@@ -139,11 +163,6 @@ def test_pool_alignment_constants():
 
     assert kc.MTP_ALIGN == mtp_fit.ALIGN
     assert kc.HOST_PAGE == mmap.PAGESIZE
-    from vllm.models.qwen4_exp.nvidia.ops import moe_fused
-    import inspect
-
-    assert inspect.signature(moe_fused.int6_to_planes).parameters[
-        "rows_per_chunk"].default == kc.INT6_ROWS_PER_CHUNK
 
 
 def test_null_block_is_vllms():
@@ -219,14 +238,11 @@ def test_ledger_agrees_with_the_h200_measurement():
         assert got["ViT GPU slots"]["measured_bytes"] == rows["ViT GPU slots"]["bytes_per_rank"][0]
         assert got["QSA staging arena"]["measured_bytes"] == \
             rows["QSA staging arena"]["bytes_per_rank"][0]
-        assert got["QSA row-cache state"]["measured_bytes"] == \
-            rows["QSA row-cache state"]["bytes_per_rank"][0]
+        # (the row-cache state was re-laid as one tensor after this record:
+        # tests/qsa/test_qsa_row_cache.py checks its size against the class)
         mlay = _layout(mtp=True)
-        layers = max(mlay["qsa_layers_per_rank"])
         assert got["QSA staging arena (MTP)"]["measured_bytes"] == kc.cuda_block_bytes(
             mlay["staging_arena_bytes"], exp)
-        assert got["QSA row-cache state (MTP)"]["measured_bytes"] == sum(
-            kc.cuda_block_bytes(n, exp) for n in kc.row_cache_tensor_bytes(layers, mlay["block_size"]))
         assert run["vit_streamed_equals_resident"]
     # before the fix: re-pinned copies + one torch pin_memory buffer per block
     assert rec["findings"]["vit_before_fix_gib"] == 2.005
