@@ -36,6 +36,15 @@ be faster on the 3090 than on the H200: fewer SMs, lower bandwidth).
 
   python3 bench_upstream_baselines.py --moe-c _moe_C_stable_libtorch.abi3.so.xz \\
       --json $OUT/upstream_baselines.json
+
+--hc-c (kit: make_upstream_kit.py --so _C): the GatedResidual against the
+real `_C` GEMMs instead of the stand-in: Machete `up` + Marlin `down` as
+0.30.0 picks them on sm_90, weights repacked by upstream's own `_C` ops;
+AllSpark (the sm_86 pick) is tried and its failure recorded. --dry-run checks
+the packing and references on CPU at tiny shapes.
+
+  python3 bench_upstream_baselines.py --hc-c --c-so _C_stable_libtorch.abi3.so.xz \\
+      --json $OUT/upstream_baselines_hc.json
 """
 
 from __future__ import annotations
@@ -73,6 +82,14 @@ def parse():
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: moe,hc")
     ap.add_argument("--json", help="write results here (rewritten after every part)")
+    ap.add_argument("--hc-c", action="store_true",
+                    help="GatedResidual against upstream's real `_C` INT8 GEMMs (Machete up + Marlin "
+                    "down on sm_90, AllSpark tried too); needs --c-so (make_upstream_kit.py --so _C)")
+    ap.add_argument("--c-so", help="vLLM's _C_stable_libtorch.abi3.so (or .so.xz); default: the "
+                    "installed vllm package's")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="--hc-c on CPU at tiny shapes: build and pack every weight, check the "
+                    "packing round trip and the references, no `_C` ops, no GPU")
     ap.add_argument("--table", metavar="RESULTS_JSON",
                     help="print the README's kernel table from a results JSON and exit (no GPU)")
     return ap.parse_args()
@@ -102,6 +119,8 @@ ROWS = [  # (part, kernel)
 
 def table(path):
     r = json.loads(Path(path).read_text())
+    if r.get("mode") == "hc_c":
+        return table_hc_c(r)
     ks = r["kernels"]
     lo, hi = "1", max(ks["moe_route"], key=int)
     f = lambda v: f"{v:.1f}"  # noqa: E731
@@ -126,6 +145,28 @@ def table(path):
                        f"{b['block_graph_us']['ratio_upstream_over_fused']:.2f} | - | "
                        f"{f(a['block_graph_us'][arm])} / {f(b['block_graph_us'][arm])} | - | {ea} | "
                        f"{WRITEUP_3090.get(f'block:{part}:{arm}', '-')} |")
+    return "\n".join(out)
+
+
+def table_hc_c(r):
+    """README rows of a --hc-c results JSON."""
+    ks = r["kernels"]
+    lo, hi = "1", max(r["hc"], key=int)
+    f = lambda v: f"{v:.1f}"  # noqa: E731
+    out = []
+    for k in HC_C_UP + HC_C_FUSED[1:]:
+        a, b = ks[k][lo], ks[k][hi]
+        out.append(f"| HC `{k}` | {a['what']} | {a['bytes']:,} | {f(a['h200_us'])} / {f(b['h200_us'])} | "
+                   f"{a['h200_GBps']:.0f} | {f(a['est_3090_us'])} / {f(b['est_3090_us'])} | - |")
+    for arm in ("upstream", "fused"):
+        a, b = r["hc"][lo], r["hc"][hi]
+        out.append(f"| **GatedResidual, {arm}** (one CUDA graph) | ratio upstream/fused "
+                   f"{a['block_graph_us']['ratio_upstream_over_fused']:.2f} / "
+                   f"{b['block_graph_us']['ratio_upstream_over_fused']:.2f} | - | "
+                   f"{f(a['block_graph_us'][arm])} / {f(b['block_graph_us'][arm])} | - | "
+                   f"{f(a['est_3090_us'][arm])} / {f(b['est_3090_us'][arm])}"
+                   f"{' (of Machete + Marlin; a 3090 runs AllSpark)' if arm == 'upstream' else ''} | "
+                   f"{WRITEUP_3090.get(f'block:hc:{arm}', '-')} |")
     return "\n".join(out)
 
 
@@ -167,6 +208,8 @@ def main():
     if a.table:
         print(table(a.table))
         return
+    if a.hc_c:
+        return hc_c_main(a)
     import torch
     import torch.nn.functional as F
     from cuda_graph_timing import graph_us
@@ -516,6 +559,331 @@ def main():
                 res["errors"].append(f"hc M={m}: {traceback.format_exc()[-3000:]}")
                 print(res["errors"][-1], flush=True)
             save()
+    save(done=True)
+    print("done", round(time.time() - t0, 1), "s", "errors:", len(res["errors"]), flush=True)
+
+
+# ====================================================================== --hc-c
+# GatedResidual against upstream's real `_C` INT8 W8A16 GEMMs. vLLM 0.30.0
+# picks the HC layers' kernel from _POSSIBLE_KERNELS[CUDA] in
+# model_executor/kernels/linear/__init__.py (CutlassW4A8, Machete, AllSpark,
+# Marlin, ...), the first whose can_implement passes:
+#   sm_90  up   (K=320,  N=10240): Machete (K % 64, N % 128, uint8b128, per channel)
+#          down (K=10240, N=336):  Machete no (336 % 128), AllSpark no (sm 80-89
+#                                  only), Marlin: N padded to 384, output sliced
+#                                  back to 336 (marlin_unpad_output, one copy)
+#   sm_86  both: AllSpark (uint8b128, per channel, N, K % 16 == 0)
+# Weights are repacked at load by each kernel's process_weights_after_loading;
+# here with the same `_C` ops: machete_prepack_B, gptq_marlin_repack (+
+# marlin_permute_scales, torch), rearrange_kn_weight_as_n32k16_order (AllSpark).
+
+HC_C_WHAT = {
+    "hc_combine_norm": "upstream ops/hc.py Triton (both arms)",
+    "marlin_gemm_down": "upstream _C marlin_gemm uint8b128 (sm_90 pick for down, N 336 -> 384)",
+    "marlin_unpad_copy": "upstream marlin_unpad_output (torch slice copy 384 -> 336)",
+    "hc_silu": "upstream ops/hc.py Triton",
+    "machete_mm_up": "upstream _C machete_mm uint8b128 (sm_90 pick for up)",
+    "hc_gate_mix": "upstream ops/hc.py Triton",
+    "allspark_down": "upstream _C allspark_w8a16_gemm (sm_86 pick)",
+    "allspark_up": "upstream _C allspark_w8a16_gemm (sm_86 pick)",
+    "hc_down_inject_silu": "series 0400",
+    "hc_up_gate_mix": "series 0400",
+}
+HC_C_UP = ["hc_combine_norm", "marlin_gemm_down", "marlin_unpad_copy", "hc_silu", "machete_mm_up", "hc_gate_mix"]
+HC_C_FUSED = ["hc_combine_norm", "hc_down_inject_silu", "hc_up_gate_mix"]
+
+
+def round_up(x, m):
+    return -(-x // m) * m
+
+
+def marlin_padded_nk(n, k):
+    """vllm marlin_utils.marlin_padded_nk for group_size -1."""
+    c = ((round_up(n, 64), round_up(k, 128)), (round_up(n, 128), round_up(k, 64)))
+    return min(c, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
+
+
+def marlin_permute_scales_channel(s):
+    """vllm marlin_utils.marlin_permute_scales, group_size -1 ([1, N])."""
+    perm = [2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)]
+    n = s.shape[-1]
+    return s.reshape(-1, len(perm))[:, perm].reshape(-1, n).contiguous()
+
+
+def gptq_pack(u8):
+    """[N, K] uint8 (q + 128) -> the checkpoint's GPTQ layout after
+    permute_param_layout_(input_dim=0, output_dim=1, packed_dim=0): [K/4, N]
+    int32, 4 consecutive k per word, low byte first (the same bytes the series
+    reads as [N, K] uint8, transposed)."""
+    import torch
+
+    return u8.contiguous().view(torch.int32).t()
+
+
+def gptq_unpack(w):
+    """inverse of gptq_pack: [K/4, N] int32 -> [N, K] uint8."""
+    import torch
+
+    kq, n = w.shape
+    sh = torch.arange(4, dtype=torch.int32, device=w.device) * 8
+    v = (w.t().contiguous()[:, :, None] >> sh) & 0xFF
+    return v.reshape(n, kq * 4).to(torch.uint8)
+
+
+def hc_c_pack_torch(u8, s):
+    """The torch half of each upstream kernel's process_weights_after_loading
+    for a [N, K] uint8 (q + 128) weight with [N, 1] bf16 per-channel scales:
+    the `_C` repack calls take these as inputs."""
+    import torch.nn.functional as F
+
+    n, k = u8.shape
+    q = gptq_pack(u8)                                      # [K/4, N] int32, column-major
+    pn, pk = marlin_padded_nk(n, k)
+    assert pk == k, "HC K is a multiple of 128"
+    return dict(
+        gptq=q, n=n, k=k,
+        machete_in=q.t().contiguous().t(),                 # as MacheteLinearKernel hands it over
+        machete_s=s.reshape(1, n).contiguous(),            # [groups=1, N]
+        marlin_in=F.pad(q.contiguous(), (0, pn - n)),      # marlin_pad_qweight: [K/4, pn]
+        marlin_n=pn,
+        marlin_s=marlin_permute_scales_channel(F.pad(s.reshape(1, n), (0, pn - n))),
+        allspark_in=u8.t().contiguous(),                   # [K, N] uint8 (AllSpark's unpack)
+        allspark_s=s.reshape(1, n).contiguous())
+
+
+def hc_c_ref(xn, u8, s):
+    """fp32 x @ (scale * (u - 128))^T."""
+    return xn.float() @ ((u8.float() - 128.0) * s.float()).t()
+
+
+def hc_c_dry_run(a):
+    """CPU, tiny shapes: the weights, packings and references of --hc-c."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    hc, rank, inj, pad, d = 4, 64, 4, 12, 64
+    k_hc, n_down = hc * d, rank + inj + pad
+    out = {}
+    for name, (n, k) in {"down": (n_down, k_hc), "up": (k_hc, rank)}.items():
+        u8 = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+        s = (torch.rand(n, 1, generator=g) * 0.01).bfloat16()
+        p = hc_c_pack_torch(u8, s)
+        assert p["gptq"].shape == (k // 4, n) and p["gptq"].dtype == torch.int32
+        assert torch.equal(gptq_unpack(p["gptq"]), u8), "GPTQ pack round trip"
+        assert p["machete_in"].stride() == (1, k // 4)
+        assert p["marlin_in"].shape == (k // 4, p["marlin_n"]) and p["marlin_n"] % 64 == 0
+        assert torch.equal(gptq_unpack(p["marlin_in"])[:n], u8)
+        assert not gptq_unpack(p["marlin_in"])[n:].any()  # padded rows: q 0 with scale 0
+        assert torch.equal(p["marlin_s"].sort(-1)[0], torch.cat(
+            [s.reshape(1, n), s.new_zeros(1, p["marlin_n"] - n)], 1).sort(-1)[0])
+        x = torch.randn(3, k, generator=g).bfloat16()
+        r = hc_c_ref(x, u8, s)
+        # the per-channel dequant equals the GPTQ words decoded explicitly
+        r2 = x.float() @ ((gptq_unpack(p["gptq"]).float() - 128) * s.float()).t()
+        assert torch.equal(r, r2)
+        out[name] = dict(n=n, k=k, marlin_n=p["marlin_n"],
+                         machete_ok=k % 64 == 0 and n % 128 == 0, allspark_ok=n % 16 == 0 and k % 16 == 0)
+    print(json.dumps({"dry_run": "ok", "shapes": out}))
+    return out
+
+
+def load_c(path):
+    import torch
+
+    if path is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm")
+        if spec is None:
+            sys.exit("no --c-so and no vllm installed: pass --c-so PATH (make_upstream_kit.py --so _C packs it)")
+        path = str(Path(spec.origin).parent / "_C_stable_libtorch.abi3.so")
+    if path.endswith(".xz"):
+        so = "/tmp/_C_stable_libtorch.abi3.so"
+        with lzma.open(path) as f, open(so, "wb") as g:
+            shutil.copyfileobj(f, g)
+        path = so
+    torch.ops.load_library(path)
+    return torch.ops._C
+
+
+def hc_c_main(a):
+    if a.dry_run:
+        return hc_c_dry_run(a)
+    import torch
+    from cuda_graph_timing import graph_us
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --dry-run); run it on the GPU machine with make_upstream_kit.py --so _C")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t0 = time.time()
+    C = load_c(a.c_so)
+    _, hk, U = load_series()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    sms, sm_ver = props.multi_processor_count, props.major * 10 + props.minor
+    ws = torch.zeros(sms, dtype=torch.int32, device=dev)  # marlin_make_workspace_new(dev, 1)
+    zp_empty = torch.empty(0, dtype=torch.int32, device=dev)  # marlin_make_empty
+    eps = 1e-6
+    res = dict(mode="hc_c", command="python3 scripts/bench/bench_upstream_baselines.py " + " ".join(sys.argv[1:]),
+               device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+               torch=torch.__version__, python=platform.python_version(), pdl="off (both arms)",
+               weight_sets=a.layers * 2, replays=a.replays, rounds=a.rounds, bw_3090=BW_3090,
+               upstream_binary="vLLM 0.30.0 wheel _C_stable_libtorch.abi3.so (commit gced6857af)",
+               selection="sm_90: Machete up (K 320, N 10240), Marlin down (N 336 padded to 384; Machete "
+                         "needs N % 128, AllSpark sm 80-89); sm_86: AllSpark both",
+               hc={}, kernels={}, checks={}, allspark={}, errors=[])
+
+    def save(done=False):
+        res.update(complete=done, wall_s=round(time.time() - t0, 1))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+
+    def kernel_row(name, us, nbytes, m):
+        est = max(nbytes / BW_3090 * 1e6, us)
+        res["kernels"].setdefault(name, {})[str(m)] = dict(
+            h200_us=us, bytes=int(nbytes), h200_GBps=nbytes / us / 1e3, est_3090_us=est,
+            bound_3090="bytes" if nbytes / BW_3090 * 1e6 >= us else "latency", what=HC_C_WHAT[name])
+        return est
+
+    # ---- weights: [N, K] uint8 q + 128 + [N, 1] bf16 scales, then each kernel's repack
+    sets = []
+    for i in range(a.layers * 2):
+        wd = torch.randint(0, 256, (N_DOWN, K_HC), dtype=torch.uint8, device=dev, generator=g)
+        wd[RANK + INJ:] = 128
+        sd = (torch.rand(N_DOWN, 1, device=dev, generator=g) * 0.004 + 0.001).bfloat16()
+        sd[RANK + INJ:] = 0
+        wu = torch.randint(0, 256, (K_HC, RANK), dtype=torch.uint8, device=dev, generator=g)
+        su = (torch.rand(K_HC, 1, device=dev, generator=g) * 0.02 + 0.005).bfloat16()
+        pd, pu = hc_c_pack_torch(wd, sd), hc_c_pack_torch(wu, su)
+        w = dict(wd=wd, sd=sd, wu=wu, su=su, norm=(torch.randn(K_HC, device=dev, generator=g) * 0.1).bfloat16(),
+                 mar_d=C.gptq_marlin_repack(pd["marlin_in"], K_HC, pd["marlin_n"], 8, False), mar_sd=pd["marlin_s"],
+                 mach_u=C.machete_prepack_B(pu["machete_in"], torch.bfloat16, U8B128_ID, torch.bfloat16),
+                 mach_su=pu["machete_s"], pd=pd, pu=pu)
+        sets.append(w)
+    n_mar = sets[0]["pd"]["marlin_n"]
+    print(f"weights packed: {len(sets)} sets, marlin down N {n_mar}, {time.time() - t0:.1f} s", flush=True)
+
+    def marlin_down(xn, w):
+        return C.marlin_gemm(xn, None, w["mar_d"], None, w["mar_sd"], None, None, zp_empty, ws, U8B128_ID,
+                             xn.shape[0], n_mar, K_HC, False, True, False)
+
+    def machete_up(lora, w):
+        return C.machete_mm(lora, w["mach_u"], U8B128_ID, None, w["mach_su"], None, -1, None, None, None)
+
+    def up_gr(w, x):
+        h, xn = U._hc_combine_norm(x["h"], x["blk"], x["inj"], w["norm"], eps, HC)
+        d = marlin_down(xn, w)[:, :N_DOWN].contiguous()  # apply_gptq_marlin_linear's unpad
+        lora = U._hc_silu(d[:, :RANK], HC)
+        return U._hc_gate_mix(xn, machete_up(lora, w), HC), d[:, RANK:RANK + INJ]
+
+    def fused_gr(w, x):
+        h, xn = U._hc_combine_norm(x["h"], x["blk"], x["inj"], w["norm"], eps, HC)
+        return hk.hc_int8_mix(xn, hk.as_uint8(w["wd"].view(torch.int32)), w["sd"],
+                              hk.as_uint8(w["wu"].view(torch.int32)), w["su"], RANK, INJ, HC, False)
+
+    rel = lambda o, r: float((o.float() - r).abs().max() / r.abs().max())  # noqa: E731
+    tokens = [int(t) for t in a.tokens.split(",") if t]
+    for m in tokens:
+        try:
+            xs = [dict(h=torch.randn(m, K_HC, device=dev, generator=g).bfloat16(),
+                       blk=torch.randn(m, H, device=dev, generator=g).bfloat16(),
+                       inj=torch.randn(m, HC, device=dev, generator=g).bfloat16()) for _ in sets]
+            # ---- correctness: each `_C` GEMM against fp32, the two arms against each other
+            w0, x0 = sets[0], xs[0]
+            xn0 = U._hc_combine_norm(x0["h"], x0["blk"], x0["inj"], w0["norm"], eps, HC)[1]
+            lora0 = torch.randn(m, RANK, device=dev, generator=g).bfloat16()
+            o_u, i_u = up_gr(w0, x0)
+            o_f, i_f = fused_gr(w0, x0)
+            res["checks"][str(m)] = dict(
+                marlin_down_vs_fp32=rel(marlin_down(xn0, w0)[:, :N_DOWN], hc_c_ref(xn0, w0["wd"], w0["sd"])),
+                machete_up_vs_fp32=rel(machete_up(lora0, w0), hc_c_ref(lora0, w0["wu"], w0["su"])),
+                block_input_fused_vs_upstream=rel(o_f, o_u.float()),
+                injection_fused_vs_upstream=rel(i_f[:, :INJ], i_u.float()))
+            print(f"HC-C M={m} checks {json.dumps(res['checks'][str(m)])}", flush=True)
+            run = lambda fn: (lambda: [fn(w, x) for w, x in zip(sets, xs)])  # noqa: E731
+            samp = {"upstream": [], "fused": []}
+            for _ in range(a.rounds):
+                for k_, fn in (("upstream", up_gr), ("fused", fused_gr)):
+                    samp[k_].append(graph_us(run(fn), len(sets), a.replays))
+            t = {k_: statistics.median(v) for k_, v in samp.items()}
+            t["ratio_upstream_over_fused"] = t["upstream"] / t["fused"]
+            xn = [U._hc_combine_norm(x["h"], x["blk"], x["inj"], w["norm"], eps, HC)[1] for w, x in zip(sets, xs)]
+            lora = [torch.randn(m, RANK, device=dev, generator=g).bfloat16() for _ in sets]
+            dpad = [marlin_down(n, w) for w, n in zip(sets, xn)]
+            Z = list(zip(sets, xs, xn, lora, dpad))
+            dcfg, ucfg = hk.down_gemv_config(m), hk.up_gemv_config(m)
+            K = {
+                "hc_combine_norm": lambda: [U._hc_combine_norm(x["h"], x["blk"], x["inj"], w["norm"], eps, HC)
+                                            for w, x, _, _, _ in Z],
+                "marlin_gemm_down": lambda: [marlin_down(n, w) for w, _, n, _, _ in Z],
+                "marlin_unpad_copy": lambda: [dp[:, :N_DOWN].contiguous() for _, _, _, _, dp in Z],
+                "hc_silu": lambda: [U._hc_silu(dp[:, :RANK], HC) for _, _, _, _, dp in Z],
+                "machete_mm_up": lambda: [machete_up(lo, w) for w, _, _, lo, _ in Z],
+                "hc_gate_mix": lambda: [U._hc_gate_mix(n, n, HC) for _, _, n, _, _ in Z],
+                "hc_down_inject_silu": lambda: [hk.hc_down_inject_silu(
+                    n, hk.as_uint8(w["wd"].view(torch.int32)), w["sd"], RANK, RANK + INJ, HC, False, dcfg)
+                    for w, _, n, _, _ in Z],
+                "hc_up_gate_mix": lambda: [hk.hc_up_gate_mix(lo, hk.as_uint8(w["wu"].view(torch.int32)), w["su"],
+                                                             n, HC, False, ucfg) for w, _, n, lo, _ in Z],
+            }
+            kt = {k_: graph_us(fn, len(sets), a.replays) for k_, fn in K.items()}
+            nb_ = {
+                "hc_combine_norm": m * K_HC * 2 + m * H * 2 + m * HC * 2 + K_HC * 2 + 2 * m * K_HC * 2,
+                "marlin_gemm_down": n_mar * K_HC + n_mar * 2 + m * K_HC * 2 + m * n_mar * 2,
+                "marlin_unpad_copy": m * n_mar * 2 + m * N_DOWN * 2,
+                "hc_silu": 2 * m * RANK * 2,
+                "machete_mm_up": K_HC * RANK + K_HC * 2 + m * RANK * 2 + m * K_HC * 2,
+                "hc_gate_mix": 2 * m * K_HC * 2 + m * H * 2,
+                "hc_down_inject_silu": (RANK + INJ) * K_HC + m * K_HC * 2 + m * (RANK + INJ) * 2,
+                "hc_up_gate_mix": K_HC * RANK + m * RANK * 2 + m * K_HC * 2 + m * H * 2,
+            }
+            est = {k_: kernel_row(k_, kt[k_], nb_[k_], m) for k_ in K}
+            res["hc"][str(m)] = dict(
+                block_graph_us=t, samples_us=samp,
+                est_3090_us=dict(upstream=sum(est[k_] for k_ in HC_C_UP), fused=sum(est[k_] for k_ in HC_C_FUSED)),
+                h200_kernel_sum_us=dict(upstream=sum(kt[k_] for k_ in HC_C_UP),
+                                        fused=sum(kt[k_] for k_ in HC_C_FUSED)))
+            print(f"HC-C M={m}: {json.dumps(res['hc'][str(m)])}", flush=True)
+        except Exception:  # noqa: BLE001
+            import traceback
+            res["errors"].append(f"hc_c M={m}: {traceback.format_exc()[-3000:]}")
+            print(res["errors"][-1], flush=True)
+        save()
+
+    # ---- AllSpark (the sm_86 pick) last: its kernels may carry only sm_80-89 code
+    for sv in (sm_ver, 86):
+        key = f"sm_version_arg_{sv}"
+        try:
+            w0 = sets[0]
+            pd, pu = w0["pd"], w0["pu"]
+            nd32, nu32 = round_up(N_DOWN, 32), round_up(K_HC, 32)
+            qd = torch.empty(nd32, K_HC, dtype=torch.uint8, device=dev)
+            sdr = torch.empty(1, nd32, dtype=torch.bfloat16, device=dev)
+            C.rearrange_kn_weight_as_n32k16_order(pd["allspark_in"], pd["allspark_s"], None, False, qd, sdr, None,
+                                                  K_HC, N_DOWN, nd32)
+            qu = torch.empty(nu32, RANK, dtype=torch.uint8, device=dev)
+            sur = torch.empty(1, nu32, dtype=torch.bfloat16, device=dev)
+            C.rearrange_kn_weight_as_n32k16_order(pu["allspark_in"], pu["allspark_s"], None, False, qu, sur, None,
+                                                  RANK, K_HC, nu32)
+            xn = torch.randn(1, K_HC, device=dev, generator=g).bfloat16()
+            lo = torch.randn(1, RANK, device=dev, generator=g).bfloat16()
+            od = C.allspark_w8a16_gemm(xn, qd, sdr, None, N_DOWN, -1, sms, sv, 1024, False, True)
+            ou = C.allspark_w8a16_gemm(lo, qu, sur, None, K_HC, -1, sms, sv, 1024, False, True)
+            torch.cuda.synchronize()
+            r = dict(ran=True, down_vs_fp32=rel(od, hc_c_ref(xn, w0["wd"], w0["sd"])),
+                     up_vs_fp32=rel(ou, hc_c_ref(lo, w0["wu"], w0["su"])))
+            if r["down_vs_fp32"] < 0.02 and r["up_vs_fp32"] < 0.02:
+                r["h200_us_1tok"] = dict(
+                    down=graph_us(lambda: C.allspark_w8a16_gemm(xn, qd, sdr, None, N_DOWN, -1, sms, sv, 1024,
+                                                                False, True), 1, a.replays),
+                    up=graph_us(lambda: C.allspark_w8a16_gemm(lo, qu, sur, None, K_HC, -1, sms, sv, 1024,
+                                                              False, True), 1, a.replays))
+            res["allspark"][key] = r
+        except Exception as e:  # noqa: BLE001
+            res["allspark"][key] = dict(ran=False, error=f"{type(e).__name__}: {e}"[:1500])
+        print(f"AllSpark {key}: {json.dumps(res['allspark'][key])}", flush=True)
+        save()
     save(done=True)
     print("done", round(time.time() - t0, 1), "s", "errors:", len(res["errors"]), flush=True)
 

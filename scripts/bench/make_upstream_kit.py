@@ -7,8 +7,10 @@ vllm/_moe_C_stable_libtorch.abi3.so (vLLM 0.30.0, commit gced6857af per
 vllm/_version.py), copied xz-compressed out of the installed package: it is
 built against torch's stable libtorch ABI, so torch.ops.load_library loads it
 on the device's torch (2.11, CUDA 13) as is, the same code the image runs,
-with no rebuild. _C (AllSpark, Machete, gptq_marlin) is not packed: with
-_moe_C it exceeds the 64 MiB a device call carries.
+with no rebuild. `--so _C` packs vllm/_C_stable_libtorch.abi3.so instead
+(AllSpark, Machete, Marlin and their weight repack ops, for
+bench_upstream_baselines.py --hc-c): 78 MB -> about 54 MB xz, so a kit carries
+one of the two, never both (a device call carries at most 64 MiB).
 
 Also copied: the series' kernel modules (ops/moe_fused.py of 0500, ops/hc_int8.py
 of 0400; neither imports vllm), upstream's ops/hc.py as upstream_hc.py (loaded
@@ -18,6 +20,10 @@ MANIFEST.json records the sha256 of each .so and the vllm version/commit.
   python3 scripts/bench/make_upstream_kit.py --out /work/main/.devkit-upstream
   (device) cd .devkit-upstream && python3 bench_upstream_baselines.py \\
       --moe-c _moe_C_stable_libtorch.abi3.so.xz --json $OUT/upstream_baselines.json
+
+  python3 scripts/bench/make_upstream_kit.py --so _C --out /work/main/.devkit-hcc
+  (device) cd .devkit-hcc && python3 bench_upstream_baselines.py --hc-c \\
+      --c-so _C_stable_libtorch.abi3.so.xz --json $OUT/upstream_baselines_hc.json
 """
 
 import argparse
@@ -33,7 +39,7 @@ OPS = "models/qwen4_exp/nvidia/ops"
 MODULES = [(f"{OPS}/moe_fused.py", "moe_fused.py"), (f"{OPS}/hc_int8.py", "hc_int8.py"),
            (f"{OPS}/hc.py", "upstream_hc.py")]
 SCRIPTS = ["bench_upstream_baselines.py", "bench_hc_fused.py", "cuda_graph_timing.py"]
-SOS = ["_moe_C_stable_libtorch.abi3.so"]
+SOS = {"_moe_C": "_moe_C_stable_libtorch.abi3.so", "_C": "_C_stable_libtorch.abi3.so"}
 
 
 def _vllm_dir(arg):
@@ -55,7 +61,7 @@ def _sha(path):
     return h.hexdigest()
 
 
-def build(vdir: Path, out: Path, pack_so: bool = True) -> dict:
+def build(vdir: Path, out: Path, pack_so: bool = True, which: str = "_moe_C") -> dict:
     if not (vdir / OPS / "moe_fused.py").exists() or not (vdir / OPS / "hc_int8.py").exists():
         raise SystemExit(f"{vdir}: no {OPS}/moe_fused.py / hc_int8.py: apply the series "
                          "(scripts/test.sh does) or pass --vllm of a patched tree")
@@ -68,7 +74,7 @@ def build(vdir: Path, out: Path, pack_so: bool = True) -> dict:
     man = {"vllm_version": (re.findall(r"__version__ = version = '([^']+)'", ver) or ["?"])[0],
            "vllm_commit": (re.findall(r"__commit_id__ = commit_id = '([^']+)'", ver) or ["?"])[0],
            "so": {}}
-    for so in SOS:
+    for so in [SOS[which]]:
         src = vdir / so
         dst = out / (so + ".xz")
         man["so"][so] = {"sha256": _sha(src), "bytes": src.stat().st_size, "packed": pack_so}
@@ -77,7 +83,7 @@ def build(vdir: Path, out: Path, pack_so: bool = True) -> dict:
             old = out / "MANIFEST.json"
             same = (dst.exists() and old.exists()
                     and json.loads(old.read_text()).get("so", {}).get(so, {}).get("sha256") == sha)
-            if not same:  # 45 MB -> 38 MB, about a minute on 2 cores
+            if not same:  # _moe_C 45 -> 38 MB, _C 78 -> ~54 MB: a minute or two on 2 cores
                 with open(src, "rb") as f, lzma.open(dst, "wb", preset=6) as g:
                     shutil.copyfileobj(f, g)
             man["so"][so]["xz_bytes"] = dst.stat().st_size
@@ -91,9 +97,11 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm", help="patched vllm package dir (default: the importable vllm)")
     p.add_argument("--out", required=True, help="kit folder to write")
+    p.add_argument("--so", choices=sorted(SOS), default="_moe_C",
+                   help="which extension to pack (one per kit: both exceed 64 MiB)")
     p.add_argument("--no-so", action="store_true", help="skip the .so (tests)")
     a = p.parse_args()
-    man = build(_vllm_dir(a.vllm), Path(a.out), not a.no_so)
+    man = build(_vllm_dir(a.vllm), Path(a.out), not a.no_so, a.so)
     print(f"kit in {a.out}: {sorted(x.name for x in Path(a.out).iterdir())}\n{json.dumps(man)}")
 
 

@@ -1,4 +1,5 @@
-"""scripts/bench/make_upstream_kit.py and bench_upstream_baselines.py on CPU:
+"""scripts/bench/make_upstream_kit.py and bench_upstream_baselines.py on CPU (both kits,
+_moe_C and --so _C, and --hc-c --dry-run):
 the kit builds from the patched vllm this suite runs on, its modules import
 with vllm unimportable (the device machine has none), and both scripts answer
 --help on a bare python3 (argparse before the heavy imports)."""
@@ -78,3 +79,48 @@ def test_table_renders_from_the_committed_results():
     # every kernel of the JSON has a row, plus the 4 whole-block rows and the header
     assert len(rows) == 1 + len(data["kernels"]) + 4
     assert all("STAND-IN" in ln for ln in rows if "standin" in ln)
+
+
+def test_c_kit_packs_only_c(tmp_path):
+    """--so _C: the `_C` extension's entry only (a kit carries one of the two)."""
+    v = _vllm_dir()
+    out = tmp_path / "kit"
+    r = subprocess.run([sys.executable, str(BENCH / "make_upstream_kit.py"), "--vllm", str(v), "--so", "_C",
+                        "--out", str(out), "--no-so"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    man = json.loads((out / "MANIFEST.json").read_text())
+    assert list(man["so"]) == ["_C_stable_libtorch.abi3.so"]
+    assert man["so"]["_C_stable_libtorch.abi3.so"]["bytes"] == (v / "_C_stable_libtorch.abi3.so").stat().st_size
+    assert not list(out.glob("*.xz"))
+    h = subprocess.run([sys.executable, "-S", "bench_upstream_baselines.py", "--help"], cwd=out,
+                       capture_output=True, text=True, timeout=30)
+    assert h.returncode == 0 and "--hc-c" in h.stdout, h.stderr
+
+
+def test_hc_c_dry_run_packs_like_upstream():
+    """The GPTQ packing, Marlin padding and scale permutation round-trip on CPU,
+    and the tiny shapes reproduce the sm_90 selection (down: no Machete)."""
+    r = subprocess.run([sys.executable, str(BENCH / "bench_upstream_baselines.py"), "--hc-c", "--dry-run"],
+                       capture_output=True, text=True, timeout=120,
+                       env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["dry_run"] == "ok"
+    down, up = got["shapes"]["down"], got["shapes"]["up"]
+    assert (down["n"], down["marlin_n"], down["machete_ok"]) == (80, 128, False)
+    assert up["machete_ok"] and up["allspark_ok"] and down["allspark_ok"]
+
+
+def test_hc_c_table_renders_from_the_committed_results():
+    res = REPO / "scripts/bench/results/upstream_baselines_hc.json"
+    data = json.loads(res.read_text())
+    assert data["mode"] == "hc_c" and data["complete"] and not data["errors"]
+    r = subprocess.run([sys.executable, "-S", str(BENCH / "bench_upstream_baselines.py"), "--table", str(res)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    assert len(rows) == len(data["kernels"]) + 2  # one row per kernel, plus the 2 block rows
+    assert not any("STAND-IN" in ln for ln in rows)
+    # every README row of the GatedResidual comes from this file
+    readme = (REPO / "README.md").read_text()
+    assert all(ln in readme for ln in rows)
