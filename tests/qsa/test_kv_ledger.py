@@ -105,7 +105,7 @@ def test_arena_and_row_cache_state_from_their_classes(mtp):
     # rank's own QSA layers (QSARowCache built on the real arena)
     want = []
     for n in lay["qsa_layers_per_rank"]:
-        rc = QSARowCache(arena.buffer, n, epoch_limit=1 << 20)
+        rc = QSARowCache(arena.token_rows, n, epoch_limit=1 << 20)
         want.append(kc.alloc_bytes(rc.state_bytes))
         assert kc.alloc_bytes(rc.state_bytes) == kc.row_cache_state_bytes(arena.rows, n)
     assert row["QSA row-cache state"]["requested_bytes_per_rank"] == want
