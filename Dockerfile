@@ -9,9 +9,15 @@ FROM ${VLLM_IMAGE}
 
 # The apply step uses only stdlib Python (no git, no patch, no downloads).
 COPY patches/ /opt/vllm-3x3090/patches/
-# The user tools too (make_ple_table.py, kv_capacity.py, ...): they need the
-# patched vllm modules, so the image is the easiest place to run them.
-COPY scripts/ /opt/vllm-3x3090/scripts/
+# Only what runs in the image: the apply tool, and the serve-side tools
+# (scripts/serve-tools/: make_ple_table.py, make_mtp_int4.py need the patched
+# vllm modules) with the KV planner and its model config. The client tools
+# (scripts/client/), developer tools and GPU bench kits run elsewhere
+# (README "Tools, by who runs them") and stay out of the image.
+COPY scripts/vllm_patches.py /opt/vllm-3x3090/scripts/vllm_patches.py
+COPY scripts/kv_capacity.py /opt/vllm-3x3090/scripts/kv_capacity.py
+COPY scripts/data/ /opt/vllm-3x3090/scripts/data/
+COPY scripts/serve-tools/ /opt/vllm-3x3090/scripts/serve-tools/
 COPY docker/entrypoint.sh /opt/vllm-3x3090/entrypoint.sh
 
 # apply refuses a vllm other than 0.30.0, any file that differs from the

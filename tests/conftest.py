@@ -15,6 +15,6 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-for p in (TESTS, REPO / "scripts"):
+for p in (TESTS, REPO / "scripts", REPO / "scripts" / "client", REPO / "scripts" / "serve-tools"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))

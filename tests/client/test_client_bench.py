@@ -43,7 +43,7 @@ def test_bench_config_median_vs_mean_and_prefill(tmp_path):
         sent_gaps = list(srv.state.sent_gaps)
     assert rc == 0
     d = json.loads(out.read_text())
-    assert d["command"][1] == "scripts/bench_serving.py"
+    assert d["command"][1] == "scripts/client/bench_serving.py"
     by = {(r["prompt_tokens"], r["concurrency"]): r for r in d["results"]}
     assert set(by) == {(0, 1), (0, 3), (3000, 1), (3000, 3), (6000, 1)}  # 3 x 6011 > 15000: skipped
     assert d["skipped_configs"] == ["6000 tokens x 3 streams"]

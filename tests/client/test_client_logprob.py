@@ -72,7 +72,7 @@ def test_diff_unit():
 def test_compare_refuses_files_that_are_not_recordings(tmp_path, capsys):
     good = {"prompts": [{"prompt": "p", "tokens": [1], "logprobs": [-0.1]}]}
     (tmp_path / "a.json").write_text(json.dumps(good))
-    (tmp_path / "bench.json").write_text(json.dumps({"tool": "scripts/bench_serving.py", "results": []}))
+    (tmp_path / "bench.json").write_text(json.dumps({"tool": "scripts/client/bench_serving.py", "results": []}))
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "bad.json").write_text(json.dumps({"prompts": [{"prompt": "p", "tokens": [1]}]}))
     for name in ("bench.json", "list.json", "bad.json", "missing.json"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-SMOKE = HERE.parents[1] / "scripts" / "smoke.sh"
+SMOKE = HERE.parents[1] / "scripts" / "client" / "smoke.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("curl") is None or shutil.which("bash") is None,
                                 reason="smoke.sh needs bash and curl")

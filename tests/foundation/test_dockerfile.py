@@ -32,9 +32,11 @@ def test_apply_then_check():
 def test_copies_what_apply_needs():
     copies = [i for i in instructions() if i.startswith("COPY")]
     srcs = {c.split()[1] for c in copies}
-    assert {"patches/", "scripts/", "docker/entrypoint.sh"} <= srcs
+    assert {"patches/", "scripts/vllm_patches.py", "scripts/serve-tools/", "docker/entrypoint.sh"} <= srcs
     for s in srcs:
         assert (REPO / s).exists(), s
+    # the client tools, developer tools and bench kits run outside the image
+    assert not any(s.rstrip("/") in ("scripts", "scripts/client", "scripts/bench") for s in srcs), srcs
 
 
 def test_no_network_fetches():

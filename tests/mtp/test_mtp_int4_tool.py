@@ -1,4 +1,4 @@
-"""scripts/make_mtp_int4.py on a small synthetic safetensors checkpoint."""
+"""scripts/serve-tools/make_mtp_int4.py on a small synthetic safetensors checkpoint."""
 
 import hashlib
 import json
@@ -278,7 +278,7 @@ def test_readme_steps(ckpt, tmp_path):
 
     import yaml
 
-    repo = tool.Path(tool.__file__).resolve().parents[1]
+    repo = tool.Path(tool.__file__).resolve().parents[2]
     readme = (repo / "README.md").read_text()
     block = readme[readme.index("compose/mtp.yaml up -d`: MTP"):]
     block = block[block.index("```") + 3:]
@@ -289,8 +289,8 @@ def test_readme_steps(ckpt, tmp_path):
     vol = argv[argv.index("-v") + 1]
     assert vol.split(":")[0] == "$MTP_INT4_DIR"
     script = next(i for i, a in enumerate(argv) if a.endswith("make_mtp_int4.py"))
-    assert argv[script] == "/opt/vllm-3x3090/scripts/make_mtp_int4.py"
-    assert "COPY scripts/ /opt/vllm-3x3090/scripts/" in (repo / "Dockerfile").read_text()
+    assert argv[script] == "/opt/vllm-3x3090/scripts/serve-tools/make_mtp_int4.py"
+    assert "COPY scripts/serve-tools/ /opt/vllm-3x3090/scripts/serve-tools/" in (repo / "Dockerfile").read_text()
     args = argv[script + 1:]
     compose = yaml.safe_load((repo / "compose.yaml").read_text())
     mounts = {}

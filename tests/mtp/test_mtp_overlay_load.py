@@ -1,5 +1,5 @@
 """The MTP variant's weights, end to end on the CPU: a synthetic checkpoint in
-the real naming (bf16 MTP experts), scripts/make_mtp_int4.py's overlay
+the real naming (bf16 MTP experts), scripts/serve-tools/make_mtp_int4.py's overlay
 directory, and vLLM's DefaultModelLoader loading the Qwen4Exp MTP draft into
 the real INT4 RoutedExperts (patch 0120, VLLM_SAFETENSORS_INDEX_FILTER).
 

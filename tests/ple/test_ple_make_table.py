@@ -1,4 +1,4 @@
-"""scripts/make_ple_table.py: round trip, --verify, --force, error cases."""
+"""scripts/serve-tools/make_ple_table.py: round trip, --verify, --force, error cases."""
 
 import os
 

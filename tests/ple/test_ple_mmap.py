@@ -24,6 +24,7 @@ CONFIG = Qwen4ExpTextConfig(**TEXT_CONFIG)
 LAYOUT = ptf.layout_from_config(CONFIG)
 MAX_TOKENS = 16
 EOS = TEXT_CONFIG["eos_token_id"]
+# 0100's MAKE_TABLE_COMMAND (in the patched vllm) still names the tool's old path
 FIX = "python scripts/make_ple_table.py --checkpoint DIR --out FILE"
 
 

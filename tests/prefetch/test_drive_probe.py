@@ -1,4 +1,4 @@
-"""scripts/drive_probe.py: statistics, stall windows, PNG, a short real run, and the
+"""scripts/client/drive_probe.py: statistics, stall windows, PNG, a short real run, and the
 refusal of files whose reads cannot reach a drive (sparse, fallocate'd, tmpfs)."""
 
 import json

@@ -27,7 +27,7 @@ Weights are in compressed-tensors "pack-quantized" format (what vLLM's
 compressed-tensors loader reads: q+8 nibbles, 8 per int32 along the input
 dim, value i at bits 4i).
 
-  python3 scripts/make_mtp_int4.py CKPT_DIR OUT_DIR [--dry-run] [--json]
+  python3 scripts/serve-tools/make_mtp_int4.py CKPT_DIR OUT_DIR [--dry-run] [--json]
 """
 
 import argparse
@@ -53,9 +53,9 @@ WHERE_TO_RUN = (
     "mounted there at /models/qwen3.8-flash-next):\n"
     "  set -a; . ./.env; set +a\n"
     '  docker compose run --rm --no-deps -v "$MTP_INT4_DIR":/out --entrypoint python3 vllm \\\n'
-    "    /opt/vllm-3x3090/scripts/make_mtp_int4.py /models/qwen3.8-flash-next /out\n"
+    "    /opt/vllm-3x3090/scripts/serve-tools/make_mtp_int4.py /models/qwen3.8-flash-next /out\n"
     "or with the project's venv (made by scripts/test.sh): "
-    '.venv/bin/python scripts/make_mtp_int4.py "$MODEL_DIR" "$MTP_INT4_DIR"'
+    '.venv/bin/python scripts/serve-tools/make_mtp_int4.py "$MODEL_DIR" "$MTP_INT4_DIR"'
 )
 
 

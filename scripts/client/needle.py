@@ -17,7 +17,7 @@ All N requests are sent together and streamed (TTFT per request is reported);
 each is bounded by --timeout. Exit status: 0 when every needle is found, no
 request failed and preemptions <= --max-preemptions; 1 otherwise.
 
-  python3 scripts/needle.py --requests 4 --prompt-tokens 247823 --json needle.json
+  python3 scripts/client/needle.py --requests 4 --prompt-tokens 247823 --json needle.json
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     pre = "n/a (no /metrics)" if res["preemptions"] is None else f"{res['preemptions']:g}"
     print(f"needle {res['passed']}/{res['total']}, errors {res['errors']}, preemptions {pre}")
     if args.json:
-        oc.write_json(args.json, {"tool": "scripts/needle.py", "started_at": started,
-                                  "command": ["python3", "scripts/needle.py"] + (sys.argv[1:] if argv is None else list(argv)),
+        oc.write_json(args.json, {"tool": "scripts/client/needle.py", "started_at": started,
+                                  "command": ["python3", "scripts/client/needle.py"] + (sys.argv[1:] if argv is None else list(argv)),
                                   "base_url": args.base_url, "model": args.model, **res})
         print(f"wrote {args.json}")
     bad_pre = (args.max_preemptions >= 0 and res["preemptions"] is not None

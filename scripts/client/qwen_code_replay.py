@@ -12,7 +12,7 @@ this tool does the same, with synthetic text:
                 `chat_template_kwargs: {enable_thinking: false}` (what it sends
                 to non-DashScope servers for qwen* models).
   json_schema   `response_format: {type: json_schema}` requests (other clients,
-                older qwen-code), as scripts/stress_structured.py sends them.
+                older qwen-code), as scripts/client/stress_structured.py sends them.
   subagents     --conversations N agent conversations run at once, sharing the
                 system prompt and tool list (a shared prefix), like qwen-code's
                 concurrent subagents.
@@ -31,7 +31,7 @@ conversation and computed again (approximate: it assumes the chat template
 re-renders the history as it was generated).
 
 The check to run after turning MTP on (compose/mtp.yaml):
-  python3 scripts/qwen_code_replay.py --conversations 2 --turns 12 --json replay.json
+  python3 scripts/client/qwen_code_replay.py --conversations 2 --turns 12 --json replay.json
 """
 
 from __future__ import annotations
@@ -393,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
              if a["cached_tokens_reported"] else
              "no cached_tokens in usage (start the server with --enable-prompt-tokens-details)"))
     if args.json:
-        oc.write_json(args.json, {"tool": "scripts/qwen_code_replay.py", "started_at": started,
-                                  "command": ["python3", "scripts/qwen_code_replay.py"]
+        oc.write_json(args.json, {"tool": "scripts/client/qwen_code_replay.py", "started_at": started,
+                                  "command": ["python3", "scripts/client/qwen_code_replay.py"]
                                   + (sys.argv[1:] if argv is None else list(argv)),
                                   "base_url": args.base_url, "model": args.model, **res})
         print(f"wrote {args.json}")

@@ -14,7 +14,7 @@
 # size (no disk space, no extraction first); SMOKE_PLE_TABLE=/path/to/table
 # mounts a real one instead. Only MODEL_DIR (config.json + tokenizer) is read.
 #
-# Usage: scripts/smoke.sh [--direct] [--dry-run] [--help]
+# Usage: scripts/client/smoke.sh [--direct] [--dry-run] [--help]
 #   default   `docker compose run` of the `vllm` service (its GPUs, mounts and
 #             env), with the service's own command (from `docker compose config`)
 #             plus the smoke overrides appended (vLLM takes the last value of a
@@ -50,7 +50,7 @@ for a in "$@"; do
   esac
 done
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"   # the repo root (compose.yaml)
 PORT="${SMOKE_PORT:-8001}"
 LEN="${SMOKE_MAX_MODEL_LEN:-8192}"
 TIMEOUT="${SMOKE_TIMEOUT:-1200}"

@@ -45,7 +45,7 @@ each limited by --timeout seconds. --json is rewritten after every
 configuration, so Ctrl-C (or a crash) keeps what was measured; the run stops
 at the first round in which every request failed (--keep-going: go on).
 
-  python3 scripts/bench_serving.py --concurrency 1,4 --prompt-tokens 0,8192 \\
+  python3 scripts/client/bench_serving.py --concurrency 1,4 --prompt-tokens 0,8192 \\
       --json bench.json --plot bench.png
 """
 
@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def document() -> dict:
         return {
-            "tool": "scripts/bench_serving.py",
-            "command": ["python3", "scripts/bench_serving.py"] + (sys.argv[1:] if argv is None else list(argv)),
+            "tool": "scripts/client/bench_serving.py",
+            "command": ["python3", "scripts/client/bench_serving.py"] + (sys.argv[1:] if argv is None else list(argv)),
             "started_at": started, "wall_s": time.monotonic() - t0, "label": args.label,
             "date": started, "backend": "openai-chat", "model_id": args.model,
             "base_url": args.base_url, "model": args.model,

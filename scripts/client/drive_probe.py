@@ -16,10 +16,10 @@ Why: a DRAM-less QLC NVMe stalled every read at ~140 ms for seconds at a time
 (max 970 ms) and stopped decode for 100-780 ms; a Crucial P310 had p50
 0.106 ms, max 22 ms under the same probe. Pick the drive by the tail.
 
-    python3 scripts/drive_probe.py /srv/nvme/ple_table.bin --seconds 60 --png probe.png --json probe.json
+    python3 scripts/client/drive_probe.py /srv/nvme/ple_table.bin --seconds 60 --png probe.png --json probe.json
 
 Needs only the standard library (the PNG uses matplotlib when it is installed,
-else scripts/tinypng.py). Exit status: 0 ok, 1 figures flagged (not a
+else scripts/client/tinypng.py). Exit status: 0 ok, 1 figures flagged (not a
 drive's), 130 interrupted (partial results printed and written).
 """
 
@@ -108,7 +108,7 @@ def plot(times_s: list[float], lat_ms: list[float], stall_ms: float, w=1200, h=5
          title: str = "4 KiB random reads, QD1") -> bytes:
     """Latency (log scale, one decade per gridline) over time, one dot per
     read; red dots are reads slower than stall_ms (dashed line). Pure Python
-    (scripts/tinypng.py): title, axis names and a legend; the PNG's bytes."""
+    (scripts/client/tinypng.py): title, axis names and a legend; the PNG's bytes."""
     import tinypng as tp
 
     c = tp.Canvas(w, h)
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
         "backing": info,
         "warnings": list(reasons),
         "fio_equivalent": fio_command(os.path.abspath(a.file), a.seconds, a.buffered),
-        "command": " ".join(["python3", "scripts/drive_probe.py", *argv]),
+        "command": " ".join(["python3", "scripts/client/drive_probe.py", *argv]),
     }
     if res["p50_ms"] < PLAUSIBLE_P50_MS:
         res["warnings"].append(

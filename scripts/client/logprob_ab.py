@@ -21,7 +21,7 @@ Subcommands
   compare A1.json A2.json B.json [B2.json]   A1 vs A2 (noise) and A1 vs each B
   run     --a URL --b URL                    two servers at once: record A
                                              twice and B once, then compare
-One server and a gate flip: `record` twice, flip the gate (scripts/ab.py
+One server and a gate flip: `record` twice, flip the gate (scripts/client/ab.py
 prints the compose commands), `record` once more, `compare`.
 
 Exit status of compare/run: 0 when A vs B <= --tolerance x (A vs A) (or
@@ -72,7 +72,7 @@ def record(client: oc.Client, model: str, prompts: list[str], max_tokens: int, s
             raise oc.ClientError(f"prompt {i}: the answer has no logprobs (does the server support "
                                  "logprobs on /v1/completions? vLLM: --max-logprobs >= 1)")
         out.append({"prompt": p, "tokens": [token_id(t) for t in toks], "logprobs": lps})
-    return {"tool": "scripts/logprob_ab.py record", "base_url": client.base_url, "model": model, "label": label,
+    return {"tool": "scripts/client/logprob_ab.py record", "base_url": client.base_url, "model": model, "label": label,
             "seed": seed, "max_tokens": max_tokens,
             "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "prompts": out}
@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_report(res, names)
     if args.json:
-        oc.write_json(args.json, {"tool": "scripts/logprob_ab.py",
-                                  "command": ["python3", "scripts/logprob_ab.py"]
+        oc.write_json(args.json, {"tool": "scripts/client/logprob_ab.py",
+                                  "command": ["python3", "scripts/client/logprob_ab.py"]
                                   + (sys.argv[1:] if argv is None else list(argv)), **res})
         print(f"wrote {args.json}")
     return 0 if res["within_noise"] else 1

@@ -2,8 +2,8 @@
 """Extract the Qwen4Exp PLE n-gram table from a checkpoint into the raw file
 that VLLM_PLE_MMAP_PATH expects (format: vllm/ple_table_format.py).
 
-    python scripts/make_ple_table.py --checkpoint DIR --out FILE
-    python scripts/make_ple_table.py --checkpoint DIR --out FILE --verify
+    python scripts/serve-tools/make_ple_table.py --checkpoint DIR --out FILE
+    python scripts/serve-tools/make_ple_table.py --checkpoint DIR --out FILE --verify
 
 The table is streamed from the safetensors files in --chunk-kib pieces
 (never in RAM as a whole: it is 95.37 GiB for the production model and the
@@ -261,7 +261,7 @@ def verify(args) -> int:
         print(
             f"MISMATCH: {out} sha256 {got.hexdigest()} != checkpoint "
             f"{want.hexdigest()}; first difference in PLE layer {layer_id} "
-            f"shard {k}. Rebuild: python scripts/make_ple_table.py "
+            f"shard {k}. Rebuild: python scripts/serve-tools/make_ple_table.py "
             f"--checkpoint {args.checkpoint} --out {args.out} --force",
             file=sys.stderr,
         )

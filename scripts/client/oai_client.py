@@ -65,7 +65,7 @@ def add_common_args(ap, *, model: bool = True) -> None:
 def dotenv_value(name: str, path: str | None = None) -> str | None:
     """NAME's value in the repository's .env (the file compose reads), or None.
     Plain NAME=VALUE lines only (quotes stripped); no interpolation."""
-    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".env")
+    path = path or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".env")
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()

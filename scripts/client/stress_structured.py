@@ -4,7 +4,7 @@
 Agent clients send, next to their main (streamed) chat request, short side
 requests with `response_format: {"type": "json_schema", ...}` (next-speaker
 check, suggestions; qwen-code's OpenAI path forces a respond_in_schema tool
-call with tool_choice "required" instead, which scripts/qwen_code_replay.py
+call with tool_choice "required" instead, which scripts/client/qwen_code_replay.py
 replays). With MTP + PP + async scheduling, upstream vLLM ends
 such requests with HTTP 500 ("grammar rejected tokens", SPEC §8: 9 of 16
 failed at 2 streams before mtp-03; 45/45 after). This tool reproduces that
@@ -21,7 +21,7 @@ Pass = 0 failures of N side requests and no failed main request. Main streams
 --max-main-requests in all) keep the batch mixed. Everything is bounded by
 counts and --timeout.
 
-  python3 scripts/stress_structured.py --side-requests 45 --side-concurrency 2 --json stress.json
+  python3 scripts/client/stress_structured.py --side-requests 45 --side-concurrency 2 --json stress.json
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if x["outcome"] != "ok":
             print(f"  side #{x['i']} ({x['schema']}): {x['outcome']} {x['detail'][:120]}")
     if args.json:
-        oc.write_json(args.json, {"tool": "scripts/stress_structured.py", "started_at": started,
-                                  "command": ["python3", "scripts/stress_structured.py"]
+        oc.write_json(args.json, {"tool": "scripts/client/stress_structured.py", "started_at": started,
+                                  "command": ["python3", "scripts/client/stress_structured.py"]
                                   + (sys.argv[1:] if argv is None else list(argv)),
                                   "base_url": args.base_url, "model": args.model, **res})
         print(f"wrote {args.json}")
