@@ -311,7 +311,7 @@ def run_variant(variant: str, args, turns, log=print) -> dict:
 
 
 def plot(results: list[dict], path: str) -> None:
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parent / "client"))  # scripts/client/tinypng.py
     import tinypng
 
     series = {}

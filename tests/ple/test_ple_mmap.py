@@ -24,8 +24,8 @@ CONFIG = Qwen4ExpTextConfig(**TEXT_CONFIG)
 LAYOUT = ptf.layout_from_config(CONFIG)
 MAX_TOKENS = 16
 EOS = TEXT_CONFIG["eos_token_id"]
-# 0100's MAKE_TABLE_COMMAND (in the patched vllm) still names the tool's old path
-FIX = "python scripts/make_ple_table.py --checkpoint DIR --out FILE"
+# 0100's MAKE_TABLE_COMMAND (vllm/ple_table_format.py), named in the error
+FIX = "python3 scripts/serve-tools/make_ple_table.py --checkpoint DIR --out FILE"
 
 
 @pytest.fixture(autouse=True)

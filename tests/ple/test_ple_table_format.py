@@ -84,7 +84,7 @@ def _assert_message(exc, path, layout, actual):
     assert repr(str(path)) in text
     assert f"expected {layout.file_size} bytes" in text
     assert actual in text
-    assert "python scripts/make_ple_table.py --checkpoint DIR --out FILE" in text
+    assert "python3 scripts/serve-tools/make_ple_table.py --checkpoint DIR --out FILE" in text
 
 
 def test_check_table_file_errors(tmp_path, monkeypatch):
