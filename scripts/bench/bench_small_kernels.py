@@ -128,7 +128,7 @@ def gemm_case(torch, mf, dev, m, n, k, sets, interp):
 
     def check():
         p, s, u = ws[-1]
-        ref = x.float().cpu() @ ((u.float() - 32) * s.float()).t()
+        ref = x.float().cpu() @ ((u.float().cpu() - 32) * s.float().cpu()).t()
         got = res["out"].float().cpu()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err < 2e-2, f"INT6 GEMM differs from the dequantized matmul: rel err {err:.3g}"
