@@ -66,3 +66,27 @@ def test_missing_results_name_the_fix(tmp_path):
         shutil.copy(REPO / "scripts/bench/results" / f, tmp_path / "r" / f)  # ple_gather.json left out
     r = _run("--results", str(tmp_path / "r"))
     assert r.returncode != 0 and "restore it from git" in r.stderr
+
+
+def test_small_kernel_rows_match_json():
+    """Each bench_small_kernels.py case is one row: bytes from the shape's formula,
+    H200 us and GB/s as recorded, 3090 estimate = max(bytes / 936 GB/s, us)."""
+    p = REPO / "scripts/bench/results/small_kernels_h200.json"
+    if not p.exists():
+        import pytest
+        pytest.skip("no recorded small-kernel device run yet")
+    d = json.loads(p.read_text())
+    rows = [ln.split(" | ") for ln in _run().stdout.splitlines() if ln.startswith("| 0")]
+    assert len(rows) == len(d["cases"]) >= 10
+    for c, r in zip(d["cases"], rows):
+        s = c["shape"]
+        want = {"aligned_state_ids": s.get("num_reqs", 0) * 4 + s.get("groups", 0) * 8
+                + s.get("groups", 0) * s.get("num_reqs", 0) * s.get("state_slots", 0) * 4,
+                "ple_ngram_ids": s.get("tokens", 0) * 4 + (s.get("reqs", 0) + 1) * 4
+                + s.get("reqs", 0) * s.get("ngram_context", 0) * 8 + (s.get("ngram_context", 0) + 1) * 8
+                + 2 * s.get("heads", 0) * 8}.get(c["kernel"])
+        if want is None:  # INT6 GEMM
+            want = s["M"] * s["K"] * 2 + s["N"] * s["K"] * 6 // 8 + s["N"] * 2
+        assert c["bytes_read"] == want, c
+        assert r[2] == f"{want:,}" and r[4] == f"{c['us']:.1f}", (r, c)
+        assert r[6] == f"{max(want / 936e9 * 1e6, c['us']):.1f}", (r, c)
