@@ -170,7 +170,10 @@ def table_hc_c(r):
     return "\n".join(out)
 
 
-def load_moe_c(path):
+def load_vllm_ext(path, lib, flag, kit_hint):
+    """Load one of the pinned wheel's compiled extensions (``lib`` =
+    "_moe_C" or "_C", stable libtorch ABI) from ``path`` (xz or .so) or from
+    the installed vllm; returns its torch.ops namespace."""
     import torch
 
     if path is None:
@@ -178,15 +181,15 @@ def load_moe_c(path):
 
         spec = importlib.util.find_spec("vllm")
         if spec is None:
-            sys.exit("no --moe-c and no vllm installed: pass --moe-c PATH (make_upstream_kit.py packs it)")
-        path = str(Path(spec.origin).parent / "_moe_C_stable_libtorch.abi3.so")
+            sys.exit(f"no {flag} and no vllm installed: pass {flag} PATH ({kit_hint} packs it)")
+        path = str(Path(spec.origin).parent / f"{lib}_stable_libtorch.abi3.so")
     if path.endswith(".xz"):
-        so = "/tmp/_moe_C_stable_libtorch.abi3.so"
+        so = f"/tmp/{lib}_stable_libtorch.abi3.so"
         with lzma.open(path) as f, open(so, "wb") as g:
             shutil.copyfileobj(f, g)
         path = so
     torch.ops.load_library(path)
-    return torch.ops._moe_C
+    return getattr(torch.ops, lib)
 
 
 def load_series():
@@ -218,7 +221,7 @@ def main():
         sys.exit("needs a CUDA GPU (run it on the GPU machine with the kit of make_upstream_kit.py)")
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
-    ops = load_moe_c(a.moe_c)
+    ops = load_vllm_ext(a.moe_c, "_moe_C", "--moe-c", "make_upstream_kit.py")
     mf, hk, U = load_series()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -687,25 +690,6 @@ def hc_c_dry_run(a):
     return out
 
 
-def load_c(path):
-    import torch
-
-    if path is None:
-        import importlib.util
-
-        spec = importlib.util.find_spec("vllm")
-        if spec is None:
-            sys.exit("no --c-so and no vllm installed: pass --c-so PATH (make_upstream_kit.py --so _C packs it)")
-        path = str(Path(spec.origin).parent / "_C_stable_libtorch.abi3.so")
-    if path.endswith(".xz"):
-        so = "/tmp/_C_stable_libtorch.abi3.so"
-        with lzma.open(path) as f, open(so, "wb") as g:
-            shutil.copyfileobj(f, g)
-        path = so
-    torch.ops.load_library(path)
-    return torch.ops._C
-
-
 def hc_c_main(a):
     if a.dry_run:
         return hc_c_dry_run(a)
@@ -716,7 +700,7 @@ def hc_c_main(a):
         sys.exit("needs a CUDA GPU (or --dry-run); run it on the GPU machine with make_upstream_kit.py --so _C")
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
-    C = load_c(a.c_so)
+    C = load_vllm_ext(a.c_so, "_C", "--c-so", "make_upstream_kit.py --so _C")
     _, hk, U = load_series()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
