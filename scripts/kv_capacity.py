@@ -37,8 +37,9 @@ Concurrency is (blocks - 1) / R: vLLM holds one block back as the null block
 block size and requests x tokens for a given flag, half the pinned K/V, and
 the "PLE page cache" line says how much of the PLE table (``--ple-table-gib``,
 95.37 GiB) the freed RAM lets the page cache keep, out of ``--ram-total-gib``.
-Storing FP8 needs the VLLM_QSA_KV_FP8 patch, which is not written yet: fp8
-figures are a plan, not a served configuration.
+Serving it takes VLLM_QSA_KV_FP8=1 (patch 0260-qsa-kv-fp8, opt-in, with
+VLLM_QSA_KV_OFFLOAD=1): the host pool, the staging arena (same rows, half
+the bytes) and the row cache hold e4m3 bytes.
 
 Pure Python (stdlib only), so it runs anywhere, without vllm or torch.
 """
@@ -76,9 +77,9 @@ BLOCK_ALIGN = 16
 QSA_VRAM_MARGIN_BYTES_PER_TOKEN = 2
 
 # Element types of the QSA main K/V (the host-resident pool under offload).
-# bf16 is what 0220 stores today; fp8 is upstream's QSA FP8 cache (e4m3, or
-# e5m2 where Triton cannot lower e4m3: below sm_89, i.e. the 3090), stored as
-# 1-byte elements and planned for an opt-in VLLM_QSA_KV_FP8 patch.
+# bf16 by default; fp8 = vLLM 0.33.0's QSA FP8 cache, e4m3 stored as uint8
+# bytes (below sm_89, i.e. the 3090, the kernel decodes the bytes itself),
+# 1 byte per element: the opt-in VLLM_QSA_KV_FP8 (0260-qsa-kv-fp8).
 QSA_KV_DTYPES = ("bf16", "fp8")
 # Upstream's QSA FP8 scaling is per tensor: one K and one V scale per layer,
 # host-side floats (layer._k_scale_float / _v_scale_float) folded into the
@@ -408,9 +409,9 @@ SHARED_EXPERT_INTERMEDIATE = 640
 # rows), for the "PLE page cache" line.
 RAM_TOTAL_GIB = 125.0
 PLE_TABLE_GIB = 95.37
-# The FP8 QSA K/V pool is a plan until this gate's patch exists.
-KV_FP8_NOTE = ("fp8 QSA K/V needs the VLLM_QSA_KV_FP8 patch (not written yet): "
-               "these figures plan it, today's series stores bf16")
+# The FP8 QSA K/V pool is served by an opt-in gate (compose keeps bf16).
+KV_FP8_NOTE = ("fp8 QSA K/V is served with VLLM_QSA_KV_FP8=1 (0260-qsa-kv-fp8, "
+               "opt-in, needs VLLM_QSA_KV_OFFLOAD=1); compose.yaml keeps bf16")
 # The write-up's figures, shown beside ours (never used in a sum).
 WRITEUP = {
     "vit_gib": 0.836, "vit_slots_mib": 58, "embed_int8_gib": 0.60,
@@ -789,8 +790,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="VLLM_PP_LAYER_PARTITION, e.g. 16,17,15")
     p.add_argument("--indexer-kv-dtype", default="bf16", choices=["bf16", "fp8"])
     p.add_argument("--kv-dtype", default="bf16", choices=list(QSA_KV_DTYPES),
-                   help="QSA K/V element type in the host pool (default bf16; fp8 plans the "
-                        "not yet written VLLM_QSA_KV_FP8 patch: half the pinned K/V)")
+                   help="QSA K/V element type in the host pool (default bf16; fp8 = "
+                        "VLLM_QSA_KV_FP8=1: half the pinned K/V and staging arena)")
     p.add_argument("--ram-total-gib", type=float, default=RAM_TOTAL_GIB,
                    help=f"host RAM, for the PLE page cache line (default {RAM_TOTAL_GIB:g})")
     p.add_argument("--ple-table-gib", type=float, default=PLE_TABLE_GIB,

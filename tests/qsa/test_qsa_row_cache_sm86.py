@@ -41,6 +41,8 @@ _SPLITK_ALIGNED = (
 # The row-cache kernels take the pointers a batch slices without the
 # alignment key (do_not_specialize_on_alignment): never aligned there.
 _SLICED = ("indices_ptr", "block_table_ptr", "token_to_req_ptr", "slot_mapping_ptr")
+# 0260-qsa-kv-fp8: the FP8 scales (host floats, read only for a uint8 cache).
+_SCALE_SIG = {"softmax_scale": "fp32", "output_scale": "fp32"}
 _CACHE_SIG = {"cache_rows_ptr": "*bf16", "tags_ptr": "*i64", "hitmarks_ptr": "*i64",
               "claims_ptr": "*i64", "epoch_ptr": "*i64", "stride_cache_line": "i32",
               "stride_cache_head": "i32"}
@@ -58,7 +60,7 @@ def _configs():
                       BLOCK_M=Q_HEADS // KV_HEADS, BLOCK_N=block_n)
         cfgs.append(dict(fn=upstream._qsa_sparse_paged_gqa_splitk_kernel, signature=_SPLITK_SIG,
                          constexprs=common, aligned=_SPLITK_ALIGNED, num_warps=warps, num_stages=2))
-        cfgs.append(dict(fn=rc._qsa_row_cache_splitk_kernel, signature={**_SPLITK_SIG, **_CACHE_SIG},
+        cfgs.append(dict(fn=rc._qsa_row_cache_splitk_kernel, signature={**_SPLITK_SIG, **_SCALE_SIG, **_CACHE_SIG},
                          constexprs={**common, "NUM_LINES": BLOCK},
                          aligned=tuple(a for a in _SPLITK_ALIGNED if a not in _SLICED)
                          + tuple(_CACHE_SIG),
