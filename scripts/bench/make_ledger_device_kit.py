@@ -25,6 +25,7 @@ MODULES = [("v1/worker/pinned_host_pool.py", "pinned_host_pool.py"),
            (f"{NV}/vit_stream.py", "vit_stream.py"),
            (f"{NV}/qsa_host_kv.py", "qsa_host_kv.py"),
            (f"{NV}/ops/qsa.py", "qsa_ops.py"),
+           (f"{NV}/ops/qsa_fp8.py", "qsa_fp8.py"),
            (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py")]
 # vit_stream imports the pool inside a method (deeper than the shared rule's
 # four spaces).

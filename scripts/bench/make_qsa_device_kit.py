@@ -8,23 +8,35 @@ the VLLM_PINNED_POOL gate, the UVA view, CUDA-event timing), plus the scripts.
 Kits:
   staging   0210-pinned-pool + 0220-qsa-kv-offload: pinned_host_pool.py,
             qsa_host_kv.py, ops/qsa.py, ops/qsa_row_cache.py (the arena
-            writers drop 0250's tags); qsa_uva_device_check.py,
+            writers drop 0250's tags), ops/qsa_fp8.py (0260, which both
+            import); qsa_uva_device_check.py,
             bench_qsa_staging.py
-  rowcache  0250-qsa-row-cache: ops/qsa.py, ops/qsa_row_cache.py; the
+  rowcache  0250-qsa-row-cache: ops/qsa.py, ops/qsa_fp8.py, ops/qsa_row_cache.py; the
             randomized-step simulator, test_qsa_row_cache_gpu.py,
             bench_qsa_row_cache.py
+  fp8       0260-qsa-kv-fp8: the staging modules + ops/qsa_fp8.py, vLLM
+            0.33.0's ops/qsa.py read from its wheel (--v033-wheel, as
+            qsa_ops_v033.py), optionally the pinned wheel's compiled _C
+            (--with-c: its reshape_and_cache_flash, xz, about 54 MB);
+            qsa_fp8_device_check.py, bench_qsa_row_cache.py (selections)
 
   python3 scripts/vllm_patches.py tree /tmp/tree
   python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree --kit staging --out _device/qsa
   (device) cd _device/qsa && python3 bench_qsa_staging.py --json $OUT/x.json
   python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree --kit rowcache --out _device/rowcache
   (device) cd _device/rowcache && python3 test_qsa_row_cache_gpu.py --json $OUT/check.json
+  python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree --kit fp8 \
+      --v033-wheel vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl --with-c --out _device/fp8
+  (device) cd _device/fp8 && python3 qsa_fp8_device_check.py \
+      --c-so _C_stable_libtorch.abi3.so.xz --json $OUT/qsa_fp8_h200.json
 """
 
 import argparse
 import ast
+import lzma
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +60,10 @@ SUBS = [
      "import triton\nimport triton.language as tl\nHAS_TRITON = True"),
     (r"^from vllm\.triton_utils import tl, triton$", "import triton\nimport triton.language as tl"),
     (r"^from \.qsa import ", "from qsa_ops import "),
+    # 0260-qsa-kv-fp8: the FP8 kernel module (top level in the row cache,
+    # function-local in ops/qsa.py); 0.33.0's ops/qsa.py asks the platform
+    (r"^(\s*)from \.qsa_fp8 import ", r"\1from qsa_fp8 import "),
+    (r"^from vllm\.platforms import current_platform$", "from dev_stubs import current_platform"),
     # 0220's arena writers drop 0250's row-cache tags; 0250 finds a layer's arena
     (r"^    from \.ops import qsa_row_cache$", "    import qsa_row_cache"),
     (r"^(\s+)from \.\.qsa_host_kv import ", r"\1from qsa_host_kv import "),
@@ -58,6 +74,7 @@ KITS = {
         "modules": [("v1/worker/pinned_host_pool.py", "pinned_host_pool.py"),
                     (f"{NV}/qsa_host_kv.py", "qsa_host_kv.py"),
                     (f"{NV}/ops/qsa.py", "qsa_ops.py"),
+                    (f"{NV}/ops/qsa_fp8.py", "qsa_fp8.py"),
                     (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py"),
                     ("models/qwen4_exp/common/qsa_capacity.py", "qsa_capacity.py")],
         "files": [HERE / "qsa_uva_device_check.py", HERE / "bench_qsa_staging.py"],
@@ -65,12 +82,25 @@ KITS = {
     },
     "rowcache": {
         "modules": [(f"{NV}/ops/qsa.py", "qsa_ops.py"),
+                    (f"{NV}/ops/qsa_fp8.py", "qsa_fp8.py"),
                     (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py")],
         "files": [REPO / "tests/qsa/qsa_row_cache_sim.py",
                   REPO / "tests/qsa/test_qsa_row_cache_gpu.py", HERE / "bench_qsa_row_cache.py"],
         "strict": False,
     },
+    "fp8": {
+        "modules": [("v1/worker/pinned_host_pool.py", "pinned_host_pool.py"),
+                    (f"{NV}/qsa_host_kv.py", "qsa_host_kv.py"),
+                    (f"{NV}/ops/qsa.py", "qsa_ops.py"),
+                    (f"{NV}/ops/qsa_fp8.py", "qsa_fp8.py"),
+                    (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py"),
+                    ("models/qwen4_exp/common/qsa_capacity.py", "qsa_capacity.py")],
+        "files": [HERE / "qsa_fp8_device_check.py", HERE / "bench_qsa_row_cache.py",
+                  HERE / "bench_upstream_baselines.py"],
+        "strict": True,
+    },
 }
+V033_MEMBER = f"vllm/{NV}/ops/qsa.py"
 
 
 def port(text: str, src: str, strict: bool) -> str:
@@ -111,6 +141,27 @@ def build(tree: Path, kit: str, out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
 
 
+def add_v033(wheel: Path, out: Path) -> None:
+    """vLLM 0.33.0's ops/qsa.py (the FP8 kernel the series backports), read
+    from the release wheel, its vllm imports pointed at dev_stubs."""
+    with zipfile.ZipFile(wheel) as z:
+        text = z.read(V033_MEMBER).decode()
+    (out / "qsa_ops_v033.py").write_text(port(text, f"{wheel.name}:{V033_MEMBER}", True))
+
+
+def add_c(out: Path) -> None:
+    """The pinned wheel's compiled _C (stable libtorch ABI, loads on the device's
+    torch as is), xz-compressed: its reshape_and_cache_flash writes FP8 bytes."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--with-c needs the pinned vllm installed here (scripts/test.sh builds .venv)")
+    src = Path(spec.origin).parent / "_C_stable_libtorch.abi3.so"
+    with open(src, "rb") as f, lzma.open(out / (src.name + ".xz"), "wb", preset=6) as g:
+        shutil.copyfileobj(f, g)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="\n".join(__doc__.split("\n\n")[1:]),
@@ -118,8 +169,19 @@ def main() -> None:
     p.add_argument("--tree", required=True, help="patched tree (scripts/vllm_patches.py tree)")
     p.add_argument("--kit", choices=sorted(KITS), default="staging")
     p.add_argument("--out", required=True, help="kit folder to write")
+    p.add_argument("--v033-wheel", help="fp8 kit: the vllm-0.33.0 wheel (python3 -m pip download "
+                   "vllm==0.33.0 --no-deps -d DIR)")
+    p.add_argument("--with-c", action="store_true",
+                   help="fp8 kit: pack the installed pinned vllm's _C (the real cache write)")
     a = p.parse_args()
+    if a.kit == "fp8" and not a.v033_wheel:
+        p.error("--kit fp8 needs --v033-wheel (the 0.33.0 wheel its kernel is compared with)")
     names = build(Path(a.tree), a.kit, Path(a.out))
+    if a.v033_wheel:
+        add_v033(Path(a.v033_wheel), Path(a.out))
+    if a.with_c:
+        add_c(Path(a.out))
+    names = sorted(p.name for p in Path(a.out).iterdir())
     print(f"kit {a.kit} in {a.out}: {' '.join(names)}")
 
 

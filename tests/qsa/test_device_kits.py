@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "scripts/bench/make_qsa_device_kit.py"
 SCRIPTS = {"bench_qsa_staging", "qsa_uva_device_check", "bench_qsa_row_cache",
-           "test_qsa_row_cache_gpu"}
+           "test_qsa_row_cache_gpu", "qsa_fp8_device_check", "bench_upstream_baselines"}
 
 
 def _vllm_root() -> Path:
@@ -62,13 +62,29 @@ print(json.dumps({"mods": mods, "vllm": sorted(k for k in sys.modules if k.split
 
 @pytest.mark.parametrize("kit,want", [
     ("staging", {"dev_stubs", "pinned_host_pool", "qsa_host_kv", "qsa_ops", "qsa_row_cache",
-                 "qsa_capacity"}),
-    ("rowcache", {"dev_stubs", "qsa_ops", "qsa_row_cache", "qsa_row_cache_sim"}),
+                 "qsa_capacity", "qsa_fp8"}),
+    ("rowcache", {"dev_stubs", "qsa_ops", "qsa_row_cache", "qsa_row_cache_sim", "qsa_fp8"}),
+    ("fp8", {"dev_stubs", "pinned_host_pool", "qsa_host_kv", "qsa_ops", "qsa_row_cache",
+             "qsa_capacity", "qsa_fp8", "qsa_ops_v033"}),
 ])
 def test_kit_builds_and_imports_without_vllm(kit, want, tmp_path):
     out = tmp_path / kit
+    extra = []
+    if kit == "fp8":
+        # STAND-IN for the vllm-0.33.0 wheel (not downloadable in CI): a zip
+        # holding this tree's ops/qsa.py under 0.33.0's member name, plus
+        # 0.33.0's one extra vllm import, so the port of that member runs.
+        import zipfile
+
+        member = "vllm/models/qwen4_exp/nvidia/ops/qsa.py"
+        text = (_vllm_root() / member).read_text().replace(
+            "\nimport torch\n", "\nimport torch\n\nfrom vllm.platforms import current_platform\n", 1)
+        wheel = tmp_path / "vllm-0.33.0-standin.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(member, text)
+        extra = ["--v033-wheel", str(wheel)]
     subprocess.run([sys.executable, str(TOOL), "--tree", str(_vllm_root()), "--kit", kit,
-                    "--out", str(out)], check=True, capture_output=True, text=True)
+                    "--out", str(out), *extra], check=True, capture_output=True, text=True)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ""}
     r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(sorted(SCRIPTS))], cwd=out,
                        env=env, capture_output=True, text=True, timeout=300)
@@ -85,6 +101,7 @@ def test_unhandled_import_is_refused(tmp_path):
     tree = tmp_path / "tree"
     for rel in ("v1/worker/pinned_host_pool.py", "v1/simple_kv_offload/cuda_mem_ops.py",
                 "models/qwen4_exp/nvidia/qsa_host_kv.py", "models/qwen4_exp/nvidia/ops/qsa.py",
+                "models/qwen4_exp/nvidia/ops/qsa_fp8.py",
                 "models/qwen4_exp/nvidia/ops/qsa_row_cache.py"):
         dst = tree / "vllm" / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
