@@ -11,10 +11,17 @@ sparse attention kernel four ways, in one process, CUDA-event timed:
   vram         K/V in VRAM (what the offload gives up; the lower bound)
   uva          the kernel reads the host K/V directly over UVA (no arena)
   staged_torch the first staging (torch.unique + torch advanced indexing)
-  staged       the patch: torch.unique + one Triton gather into the arena
-and checks that uva, staged_torch and staged equal vram bit for bit. It also
-times the gather alone against a contiguous host-to-device copy of the same
-bytes (the link's ceiling).
+  staged       the patch: the in-kernel dedup (mark kernel, in-place int32
+               cumsum, compact kernel), one Triton gather into the arena and
+               the rewrite kernel, then the attention kernel on the arena
+and checks that uva, staged_torch and staged equal vram bit for bit. Per case
+it also times the staging alone (stage_only_ms, when the arena holds the
+rows), the patch's dedup alone (dedup_ms: stage_selected_rows with the gather
+skipped, i.e. mark + cumsum + the count read back + compact + rewrite + the
+arena table; on overflow only mark + cumsum + read back) and the first
+version's torch.unique dedup (dedup_torch_unique_ms, same steps, no copy).
+It also times the gather alone against a contiguous host-to-device copy of
+the same bytes (the link's ceiling).
 
 Selection patterns: ``random`` = uniform top-k over the request's context
 (the worst case for de-duplication), ``clustered`` = every row of the chunk
@@ -41,9 +48,11 @@ BS = 12_144
 TOPK = 2048 + 3
 
 
-def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena, stats=None):
+def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena, stats=None,
+              copy=True):
     """The first staging (kept here to time against): torch advanced indexing,
-    and an overflowing batch always halved (stats claim unbounded reuse)."""
+    and an overflowing batch always halved (stats claim unbounded reuse).
+    copy=False: its dedup and index rewrite only (no rows copied)."""
     block_size = kv_cache.shape[2]
     topk = logical_indices.shape[1] - 1
     idx = logical_indices[:, :topk].long()
@@ -63,7 +72,8 @@ def old_stage(kv_cache, logical_indices, block_table, token_to_req, arena, stats
     if unique.numel() > arena.rows:
         return None
     tokens = kv_cache.transpose(1, 2)
-    arena.token_rows[: unique.numel()].copy_(tokens[unique // block_size, unique % block_size])
+    if copy:
+        arena.token_rows[: unique.numel()].copy_(tokens[unique // block_size, unique % block_size])
     new_idx = torch.full_like(logical_indices, -1)
     new_idx[:, topk] = logical_indices[:, topk]
     cols = new_idx[:, :topk]
@@ -108,7 +118,8 @@ def main() -> int:
     ctx_blocks = [int(x) for x in a.ctx_blocks.split(",")]
     nb = max(ctx_blocks) + 1
     res = {"command": "cd _device/qsa && python3 bench_qsa_staging.py " + " ".join(sys.argv[1:]),
-           "kit": "python3 scripts/bench/make_qsa_device_kit.py --tree <patched tree> --kit staging --out _device/qsa",
+           "kit": "python3 scripts/vllm_patches.py tree <tree> && python3 scripts/bench/make_qsa_device_kit.py "
+                  "--tree <tree> --kit staging --out _device/qsa",
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "block_size": BS, "kv_heads": H_KV, "head_dim": D, "topk": TOPK, "cases": {}}
     nbytes = nb * BS * H_KV * 2 * D * 2
@@ -137,6 +148,16 @@ def main() -> int:
         "torch_index_ms": torch_ms, "torch_index_gbps": gb / torch_ms * 1e3,
         "contiguous_h2d_ms": memcpy_ms, "contiguous_h2d_gbps": gb / memcpy_ms * 1e3}
     print(json.dumps(res["gather_48576_random_rows"]), flush=True)
+
+    def dedup_only(packed, table, t2r):
+        # the patch's staging with its gather skipped: what is left is the
+        # dedup (stage_selected_rows looks stage_rows up in its module)
+        real = qhk.stage_rows
+        qhk.stage_rows = lambda *args: None
+        try:
+            return qhk.stage_selected_rows(uva_kv, packed, table, t2r, arena)
+        finally:
+            qhk.stage_rows = real
 
     ok = True
     for blocks in ctx_blocks:
@@ -184,6 +205,9 @@ def main() -> int:
                 if distinct <= arena.rows:
                     c["stage_only_ms"] = timed(lambda: qhk.stage_selected_rows(
                         uva_kv, packed, table, t2r, arena), a.iters)
+                c["dedup_ms"] = timed(lambda: dedup_only(packed, table, t2r), a.iters)
+                c["dedup_torch_unique_ms"] = timed(lambda: old_stage(
+                    uva_kv, packed, table, t2r, arena, copy=False), a.iters)
                 c["uva_over_staged"] = c["uva_ms"] / c["staged_ms"]
                 c["staged_torch_over_staged"] = c["staged_torch_ms"] / c["staged_ms"]
                 name = f"rows{rows}_ctx{ctx}_{pattern}"

@@ -9,7 +9,12 @@ the kit carries it xz-compressed, make_upstream_kit.py):
              _moe_C.topk_softmax (bf16 logits, renormalize),
              _moe_C.moe_align_block_size, routed experts =
              _moe_C.moe_wna16_marlin_gemm x2 (INT4 uint4b8, group 128, as
-             fused_marlin_moe calls it), _moe_C.moe_sum, shared expert + gate.
+             fused_marlin_moe calls it), _moe_C.moe_sum, shared expert + gate;
+             the INT6 shared expert through Humming (humming-kernels 0.1.12,
+             JIT CUDA) exactly as 0.30.0 calls it: vLLM's own
+             HummingLinearKernel.process_weights_after_loading/apply_weights
+             (uint6b32, channelwise -> {"dtype": "int6", "group_size": 0}),
+             copied verbatim into the kit as upstream_humming.py.
   GatedResidual  upstream ops/hc.py Triton glue (hc_combine_norm, hc_silu,
              hc_gate_mix) around two INT8 W8A16 GEMMs.
 Series side: moe_route + the same two Marlin GEMMs + shared_gate_up_silu +
@@ -22,9 +27,12 @@ the same device call as `_moe_C`):
     padded to 384) on sm_90; here the Marlin MoE kernel of `_moe_C`
     (moe_wna16_marlin_gemm, uint8b128, 1 expert, top-1) stands in for all of
     them: same Marlin code family as gptq_marlin_gemm, 1 byte per weight.
-  - shared expert (INT6, Humming upstream): bf16 cuBLAS on the same values
-    (reads 2.67x the INT6 bytes), torch silu*mul; the gate sigmoid*shared and
-    the final add are torch ops, as upstream's are separate launches.
+  - shared expert, kept as an extra row and block arm (and the upstream arm
+    when Humming cannot load: --no-humming, or its import/JIT fails, recorded):
+    bf16 cuBLAS on the same values (reads 2.67x the INT6 bytes). Either way
+    silu*mul between the shared GEMMs is torch (_C.silu_and_mul lives in
+    `_C`), and the gate sigmoid*shared and the final add are torch ops, as
+    upstream's are separate launches.
   - silu_and_mul between the routed GEMMs (`_C`): torch, identical in both arms.
 Marlin weights are random words in Marlin's layout (both arms call the same
 GEMM on them; timing only); a layout-independent check (every weight word
@@ -35,7 +43,7 @@ estimate = max(bytes / 936 GB/s, the latency measured here) (a kernel cannot
 be faster on the 3090 than on the H200: fewer SMs, lower bandwidth).
 
   python3 bench_upstream_baselines.py --moe-c _moe_C_stable_libtorch.abi3.so.xz \\
-      --json $OUT/upstream_baselines.json
+      --skip hc --json $OUT/upstream_baselines_humming.json
 
 --hc-c (kit: make_upstream_kit.py --so _C): the GatedResidual against the
 real `_C` GEMMs instead of the stand-in: Machete `up` + Marlin `down` as
@@ -81,6 +89,8 @@ def parse():
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: moe,hc")
+    ap.add_argument("--no-humming", action="store_true",
+                    help="upstream's INT6 shared expert as the bf16 cuBLAS stand-in only (no Humming)")
     ap.add_argument("--json", help="write results here (rewritten after every part)")
     ap.add_argument("--hc-c", action="store_true",
                     help="GatedResidual against upstream's real `_C` INT8 GEMMs (Machete up + Marlin "
@@ -102,6 +112,7 @@ WRITEUP_3090 = {
     "moe_align_block_size": "7 (2 kernels)",
     "marlin_moe_gemm1_int4": "experts 25 MB: 42 (both GEMMs)",
     "shared_bf16_cublas_standin": "gate_up+SiluAndMul 13.4, down+final 7.0",
+    "shared_humming_int6": "gate_up+SiluAndMul 13.4, down+final 7.0",
     "shared_gate_up_silu": "7.8 (from 13.4)",
     "shared_down_final": "5.3 (from 7.0)",
     "block:hc:upstream": "32 (6 kernels)",
@@ -109,7 +120,8 @@ WRITEUP_3090 = {
 }
 ROWS = [  # (part, kernel)
     ("MoE", "router_cublas"), ("MoE", "topk_softmax"), ("MoE", "moe_align_block_size"),
-    ("MoE", "moe_sum"), ("MoE", "shared_bf16_cublas_standin"), ("MoE", "moe_route"),
+    ("MoE", "moe_sum"), ("MoE", "shared_humming_int6"), ("MoE", "humming_gate_up_int6"),
+    ("MoE", "humming_down_int6"), ("MoE", "shared_bf16_cublas_standin"), ("MoE", "moe_route"),
     ("MoE", "shared_gate_up_silu"), ("MoE", "shared_down_final"), ("MoE", "marlin_moe_gemm1_int4"),
     ("MoE", "marlin_moe_gemm2_int4"), ("HC", "hc_combine_norm"), ("HC", "hc_silu"), ("HC", "hc_gate_mix"),
     ("HC", "marlin_w8a16_down_standin"), ("HC", "marlin_w8a16_up_standin"),
@@ -128,6 +140,8 @@ def table(path):
            f"GB/s ({lo} tok) | 3090 est. us ({lo} / {hi} tok) | write-up 3090 us |",
            "|---|---|---|---|---|---|---|"]
     for part, k in ROWS:
+        if k not in ks:  # a part skipped (--skip hc) or no Humming in that run
+            continue
         a, b = ks[k][lo], ks[k][hi]
         out.append(f"| {part} `{k}` | {a['what']} | {a['bytes']:,} | {f(a['h200_us'])} / {f(b['h200_us'])} | "
                    f"{a['h200_GBps']:.0f} | {f(a['est_3090_us'])} / {f(b['est_3090_us'])} | "
@@ -135,6 +149,8 @@ def table(path):
     for part, key, arms in (("moe", "MoE block", ("upstream", "fused")),
                             ("hc", "GatedResidual", ("upstream", "fused"))):
         for arm in arms:
+            if not r[part]:
+                continue
             a, b = r[part][lo], r[part][hi]
             if part == "moe":
                 ea = f"{f(a['est_3090_us'][arm + '_periphery'])} / {f(b['est_3090_us'][arm + '_periphery'])} periphery"
@@ -290,6 +306,30 @@ def main():
     print("marlin check", res.get("marlin_const_weight_check_rel_err"), flush=True)
     save()
 
+    def humming_linear(u, s, out_sizes):
+        """One INT6 shared-expert linear as 0.30.0 builds it: the checkpoint's
+        CompressedTensorsWNA16 params (weight_packed int32 [N, K*6/32] in the
+        dense humming layout of u = q + 32, weight_scale bf16 [N, 1],
+        weight_shape), then vLLM's HummingLinearKernel (uint6b32, channelwise,
+        symmetric) repacks them and apply_weights runs humming_forward."""
+        from types import SimpleNamespace
+
+        import upstream_humming as UH
+
+        n, k = u.shape
+        layer = torch.nn.Module()
+        layer.register_parameter("weight_packed", torch.nn.Parameter(mf.int6_pack_dense(u),
+                                                                     requires_grad=False))
+        layer.register_parameter("weight_scale", torch.nn.Parameter(s.clone(), requires_grad=False))
+        layer.register_parameter("weight_shape", torch.nn.Parameter(
+            torch.tensor([n, k], dtype=torch.int64), requires_grad=False))
+        layer.input_size_per_partition, layer.output_partition_sizes = k, out_sizes
+        layer.params_dtype, layer.has_bias = torch.bfloat16, False
+        cfg = SimpleNamespace(weight_type=SimpleNamespace(size_bits=6), group_size=-1, zero_points=False)
+        kern = UH.HummingLinearKernel(cfg, "weight_packed", "weight_scale", "weight_zero_point")
+        kern.process_weights_after_loading(layer)
+        return lambda x: kern.apply_weights(layer, x)
+
     # ------------------------------------------------------------------ MoE block
     if "moe" not in skip:
         routed_sets = [dict(w13=rnd_words(E, H // 16, 2 * I_MOE * 2), w2=rnd_words(E, I_MOE // 16, H * 2),
@@ -304,6 +344,7 @@ def main():
             s_dn = (torch.rand(H, 1, device=dev, generator=g) * 2e-3 + 5e-4).bfloat16()
             deq = lambda u, s: ((u.float() - 32) * s.float()).bfloat16()  # noqa: E731
             layers.append(dict(
+                u_gu=u_gu, u_dn=u_dn,
                 gw=(torch.randn(E, H, device=dev, generator=g) * 0.02).bfloat16(),
                 sgw=(torch.randn(1, H, device=dev, generator=g) * 0.02).bfloat16(),
                 p_gu=mf.int6_to_planes(mf.int6_pack_dense(u_gu), H), s_gu=s_gu,
@@ -311,6 +352,23 @@ def main():
                 w_gu=deq(u_gu, s_gu), w_dn=deq(u_dn, s_dn),
                 counter=torch.zeros(1, dtype=torch.int32, device=dev),
                 R=routed_sets[li % a.routed_sets]))
+        humming_error = None
+        if not a.no_humming:
+            try:
+                for L in layers:
+                    L["h_gu"] = humming_linear(L["u_gu"], L["s_gu"], [I_SH, I_SH])
+                    L["h_dn"] = humming_linear(L["u_dn"], L["s_dn"], [H])
+            except Exception as e:  # noqa: BLE001
+                import traceback
+                humming_error = f"humming: {traceback.format_exc()[-3000:]}"
+                res["errors"].append(humming_error)
+                print(humming_error, flush=True)
+        HUMMING = not a.no_humming and humming_error is None
+        res["upstream_shared_expert"] = ("humming INT6 (vLLM 0.30.0 HummingLinearKernel)" if HUMMING
+                                         else "STAND-IN bf16 cuBLAS")
+        if HUMMING:
+            import humming
+            res["humming_version"] = getattr(humming, "__version__", "?")
 
         def routed_experts(x, R, tw, sid, eid, ntpp, bs):
             m = x.shape[0]
@@ -349,14 +407,25 @@ def main():
             res["errors"].append(f"topk_softmax bf16 logits: {e!r}"[:500] + " -> fp32 logits")
         res["topk_softmax_logits"] = "bf16" if LOGITS_BF16 else "fp32"
 
-        def up_block(x, L):
+        def shared_standin(x, L):
+            gu = F.linear(x, L["w_gu"])
+            return F.linear(F.silu(gu[:, :I_SH]) * gu[:, I_SH:], L["w_dn"])
+
+        def shared_humming(x, L):
+            gu = L["h_gu"](x)
+            return L["h_dn"](F.silu(gu[:, :I_SH]) * gu[:, I_SH:])
+
+        def up_block(x, L, shared=None):
+            shared = shared or (shared_humming if HUMMING else shared_standin)
             tw, ti, sid, eid, ntpp, bs = up_route(x, L)
             r = routed_experts(x, L["R"], tw, sid, eid, ntpp, bs)
             out = torch.empty(x.shape[0], H, dtype=x.dtype, device=dev)
             ops.moe_sum(r, out, None, None)
-            gu = F.linear(x, L["w_gu"])
-            d = F.linear(F.silu(gu[:, :I_SH]) * gu[:, I_SH:], L["w_dn"])
+            d = shared(x, L)
             return torch.sigmoid(F.linear(x, L["sgw"])) * d + out, tw, ti
+
+        def up_block_standin(x, L):
+            return up_block(x, L, shared_standin)
 
         def fused_block(x, L):
             tw, ti, sid, eid, ntpp, lg, bs = mf.moe_route(x, L["gw"], L["sgw"], TOPK, L["counter"])
@@ -375,10 +444,28 @@ def main():
                            topk_w_max_abs_diff=float((w_u.sort(-1)[0] - w_f.sort(-1)[0]).abs().max()),
                            out_max_rel_diff=float((o_f.float() - o_u.float()).abs().max()
                                                   / o_u.float().abs().max()))
+                if HUMMING:
+                    # Humming vs the bf16 dequant of the same INT6 values (fp32 reference)
+                    ref_gu = x.float() @ L0["w_gu"].float().t()
+                    h_gu = L0["h_gu"](x).float()
+                    act_r = (F.silu(ref_gu[:, :I_SH]) * ref_gu[:, I_SH:]).bfloat16()
+                    ref_dn = act_r.float() @ L0["w_dn"].float().t()
+                    h_dn = L0["h_dn"](act_r).float()
+                    rel = lambda o, r_: float((o - r_).abs().max() / r_.abs().max())  # noqa: E731
+                    chk.update(humming_gate_up_max_rel_diff=rel(h_gu, ref_gu),
+                               humming_down_max_rel_diff=rel(h_dn, ref_dn))
+                    o_s = up_block_standin(x, L0)[0]
+                    chk["upstream_humming_vs_standin_out_max_rel_diff"] = float(
+                        (o_u.float() - o_s.float()).abs().max() / o_s.float().abs().max())
                 n_exp = int(torch.unique(i_u).numel())
                 run = lambda fn: (lambda: [fn(x, L) for L in layers])  # noqa: E731
-                t = timed({"upstream": run(up_block), "fused": run(fused_block)}, None, len(layers))
+                arms = {"upstream": run(up_block), "fused": run(fused_block)}
+                if HUMMING:
+                    arms["upstream_bf16_standin"] = run(up_block_standin)
+                t = timed(arms, None, len(layers))
                 t["ratio_upstream_over_fused"] = t["upstream"] / t["fused"]
+                if HUMMING:
+                    t["ratio_upstream_bf16_standin_over_fused"] = t["upstream_bf16_standin"] / t["fused"]
                 # per-kernel graphs (each over all layers)
                 tw, ti, sid, eid, ntpp, bs = up_route(x, L0)
                 logits = F.linear(x, L0["gw"])
@@ -408,14 +495,18 @@ def main():
                         a1, None, L["R"]["w2"], L["R"]["s2"], sid, eid, ntpp, tw, bs, 1, True,
                         U4B8_ID, m * TOPK, H, I_MOE) for L in layers],
                     "moe_sum": lambda: [ops.moe_sum(r0, outb, None, None) for _ in layers],
-                    "shared_bf16_cublas_standin": lambda: [F.linear(F.silu(gu[:, :I_SH]) * gu[:, I_SH:], L["w_dn"])
-                                                           for L in layers for gu in [F.linear(x, L["w_gu"])]],
+                    "shared_bf16_cublas_standin": lambda: [shared_standin(x, L) for L in layers],
                     "moe_route": lambda: [mf.moe_route(x, L["gw"], L["sgw"], TOPK, L["counter"]) for L in layers],
                     "shared_gate_up_silu": lambda: [mf.shared_gate_up_silu(x, L["p_gu"], L["s_gu"], H)
                                                     for L in layers],
                     "shared_down_final": lambda: [mf.shared_down_final(act0, L["p_dn"], L["s_dn"], r0, sg)
                                                   for L in layers],
                 }
+                if HUMMING:
+                    a_sh = (F.silu(h_gu[:, :I_SH]) * h_gu[:, I_SH:]).bfloat16()
+                    K["shared_humming_int6"] = lambda: [shared_humming(x, L) for L in layers]
+                    K["humming_gate_up_int6"] = lambda: [L["h_gu"](x) for L in layers]
+                    K["humming_down_int6"] = lambda: [L["h_dn"](a_sh) for L in layers]
                 kt = {k: graph_us(fn, len(layers), a.replays) for k, fn in K.items()}
                 nsorted_read = ns * 4
                 ex13 = n_exp * (H * 2 * I_MOE // 2 + (H // MOE_GROUP) * 2 * I_MOE * 2)
@@ -428,6 +519,10 @@ def main():
                     "marlin_moe_gemm2_int4": ex2 + m * TOPK * I_MOE * 2 + m * TOPK * H * 2,
                     "moe_sum": m * TOPK * H * 2 + m * H * 2,
                     "shared_bf16_cublas_standin": 3 * I_SH * H * 2 + m * H * 4 + m * I_SH * 6,
+                    # INT6 weights + bf16 per-channel scales + the same activations
+                    "shared_humming_int6": 3 * I_SH * H * 6 // 8 + (2 * I_SH + H) * 2 + m * H * 4 + m * I_SH * 6,
+                    "humming_gate_up_int6": 2 * I_SH * H * 6 // 8 + 2 * I_SH * 2 + m * H * 2 + m * 2 * I_SH * 2,
+                    "humming_down_int6": H * I_SH * 6 // 8 + H * 2 + m * I_SH * 2 + m * H * 2,
                     "moe_route": (E + 1) * H * 2 + m * H * 2 + m * (E + 1) * 4 + nsorted_read,
                     "shared_gate_up_silu": 2 * I_SH * H * 6 // 8 + 2 * I_SH * 2 + m * H * 2 + m * I_SH * 2,
                     "shared_down_final": H * I_SH * 6 // 8 + H * 2 + m * I_SH * 2 + m * TOPK * H * 2 + m * H * 2,
@@ -436,12 +531,17 @@ def main():
                         "topk_softmax": "upstream _moe_C", "moe_align_block_size": "upstream _moe_C",
                         "marlin_moe_gemm1_int4": "upstream _moe_C (both arms)",
                         "marlin_moe_gemm2_int4": "upstream _moe_C (both arms)", "moe_sum": "upstream _moe_C",
-                        "shared_bf16_cublas_standin": "STAND-IN for Humming INT6 gate_up+silu+down",
+                        "shared_bf16_cublas_standin": "STAND-IN for Humming INT6 gate_up+silu+down"
+                        + (" (extra row: the block's upstream arm runs Humming)" if HUMMING else ""),
+                        "shared_humming_int6": "upstream Humming INT6 gate_up + torch silu*mul + down "
+                        "(0.30.0 HummingLinearKernel)",
+                        "humming_gate_up_int6": "upstream Humming INT6 gate_up GEMM alone (N 1280, K 2560)",
+                        "humming_down_int6": "upstream Humming INT6 down GEMM alone (N 2560, K 640)",
                         "moe_route": "series 0500", "shared_gate_up_silu": "series 0500",
                         "shared_down_final": "series 0500"}
                 est = {k: kernel_row(k, kt[k], nb_[k], m, what[k]) for k in K}
                 periph_up = ["router_cublas", "topk_softmax", "moe_align_block_size", "moe_sum",
-                             "shared_bf16_cublas_standin"]
+                             "shared_humming_int6" if HUMMING else "shared_bf16_cublas_standin"]
                 periph_f = ["moe_route", "shared_gate_up_silu", "shared_down_final"]
                 experts = ["marlin_moe_gemm1_int4", "marlin_moe_gemm2_int4"]
                 res["moe"][str(m)] = dict(

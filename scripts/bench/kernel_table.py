@@ -30,7 +30,7 @@ BW_PCIE = 25e9    # RTX 3090 PCIe 4.0 x16, effective (assumed)
 KV_ROW = 2 * 256 * 2 * 2  # bytes per token row of one layer: kv_heads 2 x head_dim 256 x (K+V) x bf16 = 2 KiB
 FILES = {
     "hc_prefill": "hc_prefill_h200.json",
-    "staging": "qsa_staging_h200_run2.json",
+    "staging": "qsa_staging_h200_run3.json",
     "row_cache": "qsa_row_cache_h200_run2.json",
     "ple": "ple_gather.json",
     "small": "small_kernels_h200.json",

@@ -17,9 +17,20 @@ of 0400; neither imports vllm), upstream's ops/hc.py as upstream_hc.py (loaded
 with stubs by bench_hc_fused.load_upstream_hc), and the bench scripts.
 MANIFEST.json records the sha256 of each .so and the vllm version/commit.
 
+Humming (the `_moe_C` kit): 0.30.0 runs this checkpoint's INT6 shared expert
+through the `humming` package (humming-kernels, a JIT CUDA GEMM library;
+HummingLinearKernel is the only mixed-precision kernel that accepts uint6b32).
+The kit copies the installed package as is (pure Python + its prebuilt
+launcher/NVRTC helper, 2.2 MB; the device has no network) and writes
+upstream_humming.py: vLLM's own HummingLinearKernel methods and the
+humming_utils.py functions they call, copied verbatim out of the wheel (its
+lazy facade vllm/utils/humming.py as vllm_utils_humming.py), with the two env
+flags at their 0.30.0 defaults. --no-humming leaves it out.
+
   python3 scripts/bench/make_upstream_kit.py --out /work/main/.devkit-upstream
   (device) cd .devkit-upstream && python3 bench_upstream_baselines.py \\
-      --moe-c _moe_C_stable_libtorch.abi3.so.xz --json $OUT/upstream_baselines.json
+      --moe-c _moe_C_stable_libtorch.abi3.so.xz --skip hc \\
+      --json $OUT/upstream_baselines_humming.json
 
   python3 scripts/bench/make_upstream_kit.py --so _C --out /work/main/.devkit-hcc
   (device) cd .devkit-hcc && python3 bench_upstream_baselines.py --hc-c \\
@@ -27,6 +38,7 @@ MANIFEST.json records the sha256 of each .so and the vllm version/commit.
 """
 
 import argparse
+import ast
 import hashlib
 import json
 import lzma
@@ -40,6 +52,71 @@ MODULES = [(f"{OPS}/moe_fused.py", "moe_fused.py"), (f"{OPS}/hc_int8.py", "hc_in
            (f"{OPS}/hc.py", "upstream_hc.py")]
 SCRIPTS = ["bench_upstream_baselines.py", "bench_hc_fused.py", "cuda_graph_timing.py"]
 SOS = {"_moe_C": "_moe_C_stable_libtorch.abi3.so", "_C": "_C_stable_libtorch.abi3.so"}
+HUMMING_UTILS = "model_executor/layers/quantization/utils/humming_utils.py"
+HUMMING_KERNEL = "model_executor/kernels/linear/mixed_precision/humming.py"
+HUMMING_FNS = ["convert_linear_layer_to_humming_standard", "prepare_humming_linear_layer_config",
+               "get_humming_linear_compute_config", "apply_humming_linear"]
+HUMMING_HEAD = '''"""vLLM 0.30.0's Humming linear path, copied verbatim out of the pinned
+wheel by make_upstream_kit.py (nothing here is written by the series):
+HummingLinearKernel's process_weights_after_loading / apply_weights
+(vllm/{kernel}) and the functions they call
+(vllm/{utils}); vllm.utils.humming (the lazy
+facade) is vllm_utils_humming.py. Stubs: envs (the two flags read, at their
+0.30.0 defaults) and MPLinearKernel.__init__ (the fields the methods read)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+LinearBase = torch.nn.Module
+envs = SimpleNamespace(VLLM_BATCH_INVARIANT=False, VLLM_HUMMING_USE_F16_ACCUM=False)
+
+
+class MPLinearKernel:
+    def __init__(self, c, w_q_param_name, w_s_param_name, w_zp_param_name=None):
+        self.config = c
+        self.w_q_name = w_q_param_name
+        self.w_s_name = w_s_param_name
+        self.w_zp_name = w_zp_param_name
+'''
+
+
+def _humming_dir(arg):
+    if arg:
+        return Path(arg)
+    import importlib.util
+
+    spec = importlib.util.find_spec("humming")
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+def upstream_humming_source(vdir: Path) -> str:
+    """upstream_humming.py: the wheel's own Humming linear code, verbatim."""
+    utils = (vdir / HUMMING_UTILS).read_text()
+    tree = ast.parse(utils)
+    fns = {n.name: ast.get_source_segment(utils, n) for n in tree.body
+           if isinstance(n, ast.FunctionDef) and n.name in HUMMING_FNS}
+    missing = set(HUMMING_FNS) - set(fns)
+    if missing:
+        raise SystemExit(f"{vdir / HUMMING_UTILS}: no {sorted(missing)} (not vLLM 0.30.0?)")
+    kern = (vdir / HUMMING_KERNEL).read_text()
+    cls = next(n for n in ast.parse(kern).body
+               if isinstance(n, ast.ClassDef) and n.name == "HummingLinearKernel")
+    methods = [ast.get_source_segment(kern, m) for m in cls.body
+               if isinstance(m, ast.FunctionDef)
+               and m.name in ("process_weights_after_loading", "apply_weights")]
+    body = "\n\n\n".join(fns[f] for f in HUMMING_FNS)
+    body += "\n\n\nclass HummingLinearKernel(MPLinearKernel):\n" + "\n\n".join(
+        "    " + m for m in methods) + "\n"  # a segment's first line lost its indent
+    body = body.replace("from vllm.utils.humming import", "from vllm_utils_humming import")
+    body = body.replace("from vllm.model_executor.layers.quantization.utils.humming_utils import",
+                        "from upstream_humming import")
+    left = [ln for ln in body.splitlines() if "vllm." in ln and "import" in ln]
+    if left:
+        raise SystemExit(f"upstream_humming.py: unhandled vllm import(s) {left}")
+    return HUMMING_HEAD.format(kernel=HUMMING_KERNEL, utils=HUMMING_UTILS) + "\n\n" + body
 
 
 def _vllm_dir(arg):
@@ -61,7 +138,8 @@ def _sha(path):
     return h.hexdigest()
 
 
-def build(vdir: Path, out: Path, pack_so: bool = True, which: str = "_moe_C") -> dict:
+def build(vdir: Path, out: Path, pack_so: bool = True, which: str = "_moe_C",
+          humming: Path | None = None) -> dict:
     if not (vdir / OPS / "moe_fused.py").exists() or not (vdir / OPS / "hc_int8.py").exists():
         raise SystemExit(f"{vdir}: no {OPS}/moe_fused.py / hc_int8.py: apply the series "
                          "(scripts/test.sh does) or pass --vllm of a patched tree")
@@ -87,6 +165,19 @@ def build(vdir: Path, out: Path, pack_so: bool = True, which: str = "_moe_C") ->
                 with open(src, "rb") as f, lzma.open(dst, "wb", preset=6) as g:
                     shutil.copyfileobj(f, g)
             man["so"][so]["xz_bytes"] = dst.stat().st_size
+    if humming is not None:
+        if not (humming / "forward.py").exists():
+            raise SystemExit(f"{humming}: not the humming package (pip install humming-kernels, "
+                             "or --no-humming)")
+        dst = out / "humming"
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(humming, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(vdir / "utils/humming.py", out / "vllm_utils_humming.py")
+        (out / "upstream_humming.py").write_text(upstream_humming_source(vdir))
+        ver = (humming / "_version.py").read_text() if (humming / "_version.py").exists() else ""
+        man["humming"] = {"version": (re.findall(r"__version__ = version = '([^']+)'", ver) or ["?"])[0],
+                          "bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())}
     (out / "MANIFEST.json").write_text(json.dumps(man, indent=1) + "\n")
     return man
 
@@ -100,8 +191,18 @@ def main():
     p.add_argument("--so", choices=sorted(SOS), default="_moe_C",
                    help="which extension to pack (one per kit: both exceed 64 MiB)")
     p.add_argument("--no-so", action="store_true", help="skip the .so (tests)")
+    p.add_argument("--humming-dir", help="the humming package dir to copy (default: the importable "
+                   "humming; the _moe_C kit only)")
+    p.add_argument("--no-humming", action="store_true",
+                   help="leave Humming out (the MoE bench then times only the bf16 stand-in)")
     a = p.parse_args()
-    man = build(_vllm_dir(a.vllm), Path(a.out), not a.no_so, a.so)
+    hdir = None
+    if a.so == "_moe_C" and not a.no_humming:
+        hdir = _humming_dir(a.humming_dir)
+        if hdir is None:
+            raise SystemExit("humming is not importable here: pass --humming-dir DIR "
+                             "(site-packages/humming of humming-kernels 0.1.12) or --no-humming")
+    man = build(_vllm_dir(a.vllm), Path(a.out), not a.no_so, a.so, hdir)
     print(f"kit in {a.out}: {sorted(x.name for x in Path(a.out).iterdir())}\n{json.dumps(man)}")
 
 

@@ -62,7 +62,7 @@ def test_estimates_are_floored_and_row_cache_matches_json(tmp_path):
 
 def test_missing_results_name_the_fix(tmp_path):
     (tmp_path / "r").mkdir()
-    for f in ("hc_prefill_h200.json", "qsa_staging_h200_run2.json", "qsa_row_cache_h200_run2.json"):
+    for f in ("hc_prefill_h200.json", "qsa_staging_h200_run3.json", "qsa_row_cache_h200_run2.json"):
         shutil.copy(REPO / "scripts/bench/results" / f, tmp_path / "r" / f)  # ple_gather.json left out
     r = _run("--results", str(tmp_path / "r"))
     assert r.returncode != 0 and "restore it from git" in r.stderr

@@ -25,9 +25,14 @@ sys.meta_path.insert(0, NoVllm())
 sys.argv = ["bench_upstream_baselines.py"]
 import bench_upstream_baselines as b
 mf, hk, up = b.load_series()
+import upstream_humming as uh, vllm_utils_humming as vh
 print(json.dumps({"mods": [m.__name__ for m in (mf, hk, up)],
                   "fns": [hasattr(mf, "moe_route"), hasattr(hk, "hc_int8_mix"),
-                          hasattr(up, "_hc_gate_mix")]}))
+                          hasattr(up, "_hc_gate_mix")],
+                  "humming": [hasattr(uh.HummingLinearKernel, "process_weights_after_loading"),
+                              hasattr(uh.HummingLinearKernel, "apply_weights"),
+                              callable(uh.prepare_humming_linear_layer_config),
+                              vh._EXPORTS["humming_forward"]]}))
 """
 
 
@@ -62,11 +67,15 @@ def test_kit_builds_and_imports_without_vllm(tmp_path):
     assert so["bytes"] == (v / "_moe_C_stable_libtorch.abi3.so").stat().st_size
     assert len(so["sha256"]) == 64 and so["packed"] is False
     assert not (out / "_moe_C_stable_libtorch.abi3.so.xz").exists()
+    # Humming (0.30.0's INT6 shared-expert kernel) travels with the _moe_C kit
+    assert man["humming"]["version"] == "0.1.12" and (out / "humming/forward.py").exists()
+    assert "from vllm." not in (out / "upstream_humming.py").read_text()
     p = subprocess.run([sys.executable, "-c", PROBE], cwd=out, capture_output=True, text=True,
                        timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got == {"mods": ["moe_fused", "hc_int8", "upstream_hc"], "fns": [True, True, True]}
+    assert got == {"mods": ["moe_fused", "hc_int8", "upstream_hc"], "fns": [True, True, True],
+                   "humming": [True, True, True, "humming.forward:humming_forward"]}
 
 
 def test_table_renders_from_the_committed_results():
@@ -81,6 +90,30 @@ def test_table_renders_from_the_committed_results():
     assert all("STAND-IN" in ln for ln in rows if "standin" in ln)
 
 
+def test_humming_table_renders_and_is_in_the_readme():
+    """The MoE block with upstream's real INT6 shared expert (Humming, as 0.30.0 calls
+    it): the run used Humming, its GEMMs matched the fp32 reference of the same INT6
+    values, and every README row of the MoE block comes from this file."""
+    res = REPO / "scripts/bench/results/upstream_baselines_humming.json"
+    data = json.loads(res.read_text())
+    assert data["complete"] and not data["errors"]
+    assert data["upstream_shared_expert"].startswith("humming INT6")
+    for m, part in data["moe"].items():
+        c = part["check"]
+        assert c["topk_ids_equal"], m
+        assert c["humming_gate_up_max_rel_diff"] < 0.01 and c["humming_down_max_rel_diff"] < 0.01, (m, c)
+        assert "upstream_bf16_standin" in part["block_graph_us"], m
+    r = subprocess.run([sys.executable, "-S", str(BENCH / "bench_upstream_baselines.py"), "--table", str(res)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    assert len(rows) == 1 + len(data["kernels"]) + 2  # --skip hc: only the MoE block rows
+    assert any("shared_humming_int6" in ln for ln in rows)
+    assert all("STAND-IN" in ln for ln in rows if "standin" in ln)
+    readme = (REPO / "README.md").read_text()
+    assert all(ln in readme for ln in rows), [ln for ln in rows if ln not in readme]
+
+
 def test_c_kit_packs_only_c(tmp_path):
     """--so _C: the `_C` extension's entry only (a kit carries one of the two)."""
     v = _vllm_dir()
@@ -90,6 +123,7 @@ def test_c_kit_packs_only_c(tmp_path):
     assert r.returncode == 0, r.stderr
     man = json.loads((out / "MANIFEST.json").read_text())
     assert list(man["so"]) == ["_C_stable_libtorch.abi3.so"]
+    assert "humming" not in man and not (out / "humming").exists()
     assert man["so"]["_C_stable_libtorch.abi3.so"]["bytes"] == (v / "_C_stable_libtorch.abi3.so").stat().st_size
     assert not list(out.glob("*.xz"))
     h = subprocess.run([sys.executable, "-S", "bench_upstream_baselines.py", "--help"], cwd=out,
