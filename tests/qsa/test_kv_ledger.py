@@ -22,9 +22,10 @@ VCFG = CFG["vision_config"]
 TOOL = Path(kc.__file__)
 
 
-def _layout(mtp=False):
+def _layout(mtp=False, kv_dtype="bf16"):
     return kc.capacity_layout(CFG, pp_size=3, partition="16,17,15" if mtp else None,
-                              max_model_len=262144, prefix_caching=True, num_spec=int(mtp))
+                              max_model_len=262144, prefix_caching=True, num_spec=int(mtp),
+                              kv_dtype=kv_dtype)
 
 
 def _cli(*args):
@@ -112,6 +113,36 @@ def test_arena_and_row_cache_state_from_their_classes(mtp):
     assert row["QSA row-cache state"]["bytes_per_rank"] == [kc.cuda_block_bytes(n) for n in want]
     assert row["QSA staging arena"]["requested_bytes_per_rank"] == [arena.nbytes] * 3
     assert row["QSA staging arena"]["bytes_per_rank"] == [kc.cuda_block_bytes(arena.nbytes)] * 3
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_fp8_arena_and_pool_from_the_patched_classes(mtp, monkeypatch):
+    """0260-qsa-kv-fp8: the arena and the pinned K/V backing the patched
+    bind_host_kv_layers allocates for uint8 K/V are the planner's fp8 figures
+    (same rows, half the bytes; same blocks, half the pinned pool)."""
+    import vllm.models.qwen4_exp.nvidia.qsa_host_kv as qhk
+
+    lay8, lay16 = _layout(mtp, "fp8"), _layout(mtp)
+    assert lay8["block_size"] == lay16["block_size"]
+    assert lay8["staging_arena_bytes"] * 2 == lay16["staging_arena_bytes"]
+    got = []
+    monkeypatch.setattr(qhk, "allocate_host_kv_backing",
+                        lambda n, *, what: got.append(n) or torch.empty(n, dtype=torch.uint8,
+                                                                         device="meta"))
+    monkeypatch.setattr(qhk, "_HOST_RANGES", [])
+    monkeypatch.setattr(qhk, "_row_cache_attach", lambda arena, n: None)
+    cap = kc.usable_capacity(lay8, 783_000_000, 262144)
+    blocks = cap["blocks"]
+    for rank, n in enumerate(lay8["qsa_layers_per_rank"]):
+        layers = [type("L", (), dict(num_kv_heads=CFG["num_key_value_heads"],
+                                     head_dim=CFG["head_dim"]))() for _ in range(n)]
+        arena = qhk.bind_host_kv_layers(layers, blocks, lay8["block_size"],
+                                        max(lay8["qsa_layers_per_rank"]), "meta",
+                                        to_device_view=lambda t: t, dtype=torch.uint8)
+        assert arena.nbytes == lay8["staging_arena_bytes"]
+        assert got[-1] == blocks * lay8["host_bytes_per_block_per_rank"][rank]
+        assert got[-1] == cap["pinned_host_bytes_per_rank"][rank]
+        assert got[-1] * 2 == blocks * lay16["host_bytes_per_block_per_rank"][rank]
 
 
 def test_qsa_device_size_functions_are_the_patch_copies():

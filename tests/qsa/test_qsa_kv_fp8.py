@@ -126,10 +126,9 @@ def test_fp8_kernel_matches_dequantized_reference(seed, k_scale, v_scale):
     out = _direct(kv_cache, q, gate, packed, table, tok2req, k_scale=k_scale, v_scale=v_scale)
     ref = _reference(kv_cache, q, gate, packed, table, tok2req, k_scale, v_scale)
     assert ref.abs().sum() > 0
-    # bf16 output, fp16 probabilities (the interpreter rounds its bf16 dot
-    # inputs its own way): a few bf16 ulps of the output's scale
-    err = (out.double() - ref).abs().max().item()
-    assert err <= 0.03 * ref.abs().max().item(), err
+    # vLLM's FP8 paged-attention test (tests/kernels/attention/test_attention.py)
+    # accepts atol 1e-2 against a reference over the dequantized cache
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-5)
     # rows the kernel must leave empty stay exactly zero
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
