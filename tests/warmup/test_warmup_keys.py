@@ -209,8 +209,8 @@ def test_hc_replay_keys_are_warm():
 
 
 def _qsa_case(rows: int, width: int = 32, page: int = 64, blocks: int = 8, kv_heads: int = 2,
-              q_heads: int = 8, head_dim: int = 64):
-    kv_cache = torch.zeros(blocks, page, kv_heads, 2 * head_dim, dtype=torch.bfloat16).transpose(1, 2)
+              q_heads: int = 8, head_dim: int = 64, kv_dtype=torch.bfloat16):
+    kv_cache = torch.zeros(blocks, page, kv_heads, 2 * head_dim, dtype=kv_dtype).transpose(1, 2)
     block_table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     # row i selects tokens [4i, 4i + width): neighbours share rows (reuse >= 2)
     idx = torch.arange(width, dtype=torch.int32)[None, :] + 4 * torch.arange(rows, dtype=torch.int32)[:, None]
@@ -239,7 +239,9 @@ def _qsa_split_points(rows: int) -> list[int]:
     return starts
 
 
-def test_qsa_overflow_splits_are_warm():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.uint8])
+def test_qsa_overflow_splits_are_warm(kv_dtype):
+    # uint8: 0260-qsa-kv-fp8's e4m3 bytes, the FP8 kernel and a uint8 arena
     from vllm.models.qwen4_exp.nvidia import qsa_host_kv as hk
     from vllm.models.qwen4_exp.nvidia.ops import qsa as qsa_ops
 
@@ -248,8 +250,11 @@ def test_qsa_overflow_splits_are_warm():
     # an int32 token_to_req[half:] not 16-byte aligned would be a new key:
     # 0220 splits at multiples of split_row_quantum (4 rows)
     assert not any(s % 4 for s in starts), starts
-    kv_cache, bt, *_, hd, q_heads, width = _qsa_case(13)
-    arena = hk.QSAStagingArena(1, 64, 2, hd, "cpu")
+    fp8 = kv_dtype == torch.uint8
+    scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
+    kernel = "_qsa_sparse_paged_gqa_splitk_fp8_kernel" if fp8 else "_qsa_sparse_paged_gqa_splitk_kernel"
+    kv_cache, bt, *_, hd, q_heads, width = _qsa_case(13, kv_dtype=kv_dtype)
+    arena = hk.QSAStagingArena(1, 64, 2, hd, "cpu", kv_dtype)
     with recording() as recs:
         qsa_ops.warmup_qsa_sparse_paged_attention(kv_cache, bt, num_query_heads=q_heads,
                                                   selection_width=width)
@@ -259,11 +264,11 @@ def test_qsa_overflow_splits_are_warm():
     warm = keys_of(recs)
     with recording() as recs:
         for rows in (5, 7, 9, 13, 17, 31, 33):
-            kv_cache, bt, logical, t2r, q, out, gate, hd, _, _ = _qsa_case(rows)
+            kv_cache, bt, logical, t2r, q, out, gate, hd, _, _ = _qsa_case(rows, kv_dtype=kv_dtype)
             hk.staged_sparse_attention(qsa_ops.qsa_sparse_paged_attention, q, kv_cache, hd, logical,
-                                       bt, t2r, True, out, gate, arena)
+                                       bt, t2r, True, out, gate, arena, **scales)
     replay = keys_of(recs)
-    assert recs["_qsa_sparse_paged_gqa_splitk_kernel"].launches > 7  # split parts launched
+    assert recs[kernel].launches > 7  # split parts launched
     assert recs["_qsa_stage_rows_kernel"].launches
     assert not missing(warm, replay), missing(warm, replay)
 
