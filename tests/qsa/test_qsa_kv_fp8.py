@@ -323,3 +323,58 @@ def test_fp8_variants_fit_sm86():
         check_fits(c, str(cfg["constexprs"]))
     print({(c.name, cfg["constexprs"]["BLOCK_N"], cfg["constexprs"]["NUM_SPLITS"]): c.shared
            for c, cfg in zip(res, cfgs)})
+
+
+@pytest.mark.parametrize("offload,fp8", [("0", "1"), ("1", "1"), ("1", "0")])
+def test_layer_dtype_spec_and_host_pool(monkeypatch, offload, fp8):
+    """The layer's dtype decision (qsa_kv_cache_dtype, called before anything
+    is built), its get_kv_cache_spec, vLLM's own dtype table and grouping, and
+    0220's allocate_host_resident_kv: with the gate the host pool holds uint8
+    e4m3 bytes, 1 KiB per token; without offload the start fails naming the fix."""
+    from vllm.models.qwen4_exp.nvidia import qsa
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.core import kv_cache_utils as kvu
+    from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
+
+    monkeypatch.setenv("VLLM_QSA_KV_OFFLOAD", offload)
+    monkeypatch.setenv("VLLM_QSA_KV_FP8", fp8)
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    if offload == "0":
+        with pytest.raises(ValueError, match="needs VLLM_QSA_KV_OFFLOAD=1"):
+            qsa.qsa_kv_cache_dtype("auto")
+        return
+    dtype_str = qsa.qsa_kv_cache_dtype("auto")
+    assert dtype_str == ("fp8_e4m3" if fp8 == "1" else "auto")
+    torch_dtype = kv_cache_dtype_str_to_dtype(dtype_str, SimpleNamespace(dtype=torch.bfloat16))
+    assert torch_dtype == (torch.uint8 if fp8 == "1" else torch.bfloat16)
+    # the real layer's spec (an owner made without its heavy __init__)
+    import json
+    from pathlib import Path
+
+    hf = json.loads((Path(__file__).parents[2]
+                     / "scripts/data/qwen4_exp_flash_next_config.json").read_text())
+    owner = qsa.Qwen4ExpQSAAttention.__new__(qsa.Qwen4ExpQSAAttention)
+    torch.nn.Module.__init__(owner)
+    owner.num_kv_heads, owner.head_dim = H_KV, D
+    owner.kv_cache_dtype, owner.kv_cache_torch_dtype = dtype_str, torch_dtype
+    owner.indexer = SimpleNamespace(compressed_key_cache=SimpleNamespace(prefix="l3.idx"))
+    vcfg = SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(to_dict=lambda: hf)),
+        speculative_config=None, parallel_config=SimpleNamespace(pipeline_parallel_size=3),
+        cache_config=SimpleNamespace(block_size=BS))
+    spec = owner.get_kv_cache_spec(vcfg)
+    assert spec.dtype == torch_dtype and spec.partner_layer == "l3.idx"
+    assert spec.page_size_bytes == BS * H_KV * 2 * D * torch_dtype.itemsize
+    partner = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    groups = kvu._attach_host_resident_layers(
+        [kvu.KVCacheGroupSpec(["l3.idx"], partner)], {"l3.attn": spec})
+    cfg_kv = KVCacheConfig(num_blocks=6, kv_cache_tensors=[], kv_cache_groups=groups)
+    got = []
+    monkeypatch.setattr(qhk, "allocate_host_kv_backing",
+                        lambda n, *, what: got.append(n) or torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(qhk, "_HOST_RANGES", [])
+    monkeypatch.setattr(qhk, "_ARENAS", {})
+    monkeypatch.setattr(qhk, "_row_cache_attach", lambda arena, n: None)
+    views = qhk.allocate_host_resident_kv(cfg_kv, "cpu", None, to_device_view=lambda t: t)
+    assert views["l3.attn"].dtype == torch_dtype
+    assert got == [6 * spec.page_size_bytes]
