@@ -23,31 +23,21 @@ from vllm.models.qwen4_exp.nvidia.ops import qsa_row_cache as rc  # noqa: E402
 from vllm.models.qwen4_exp.nvidia.ops.qsa import qsa_sparse_paged_attention  # noqa: E402
 from vllm.models.qwen4_exp.nvidia.qsa import Qwen4ExpQSAFlashAttentionImpl  # noqa: E402
 
-H_KV, GROUP, D, BS = 2, 2, 16, 16
+from test_qsa_host_kv_attention import BS, D, GROUP, H_KV  # noqa: E402
+from test_qsa_host_kv_attention import _case as _bf16_case  # noqa: E402
+
 K_SCALE, V_SCALE = 0.5, 2.0
 
 
-def _case(seed, rows=6, num_blocks=9, topk=20, num_reqs=2, width=4, k_scale=K_SCALE,
-          v_scale=V_SCALE):
-    """An FP8 host K/V layer view ([blocks, heads, block, 2D] uint8, K then V
-    per head) quantized from random bf16 values, and a batch selecting from it."""
-    g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(num_blocks, BS, H_KV, 2 * D, generator=g) * 3
+def _case(seed, k_scale=K_SCALE, v_scale=V_SCALE, **shape):
+    """test_qsa_host_kv_attention's batch over its random K/V, the K/V
+    (x 3, to reach past e4m3's finest steps) stored as e4m3 bytes: an FP8
+    host K/V layer view ([blocks, heads, block, 2D] uint8, K then V per head)."""
+    kv_cache, *batch = _bf16_case(seed, **shape)
+    kv = kv_cache.transpose(1, 2).float() * 3
     k8 = qsa_fp8.quantize_kv_e4m3(kv[..., :D], k_scale)
     v8 = qsa_fp8.quantize_kv_e4m3(kv[..., D:], v_scale)
-    kv_cache = torch.cat([k8, v8], -1).transpose(1, 2)
-    q = torch.randn(rows, H_KV * GROUP, D, generator=g).to(torch.bfloat16)
-    gate = torch.randn(rows, H_KV * GROUP, D, generator=g).to(torch.bfloat16)
-    perm = torch.randperm(num_blocks, generator=g)[: num_reqs * width]
-    table = perm.view(num_reqs, width).to(torch.int32)
-    table[1, -1] = -1  # a hole, and a page past the cache below
-    table[0, -1] = num_blocks + 3
-    tok2req = torch.randint(0, num_reqs, (rows,), generator=g).to(torch.int32)
-    tok2req[-1] = -1  # padded row
-    idx = torch.randint(-2, width * BS + 5, (rows, topk), generator=g).to(torch.int32)
-    count = torch.randint(topk // 2, topk + 1, (rows, 1), generator=g).to(torch.int32)
-    packed = torch.cat([idx, count], 1).contiguous()
-    return kv_cache, q, gate, packed, table, tok2req
+    return (torch.cat([k8, v8], -1).transpose(1, 2), *batch)
 
 
 def _direct(kv_cache, q, gate, packed, table, tok2req, prefill=True, k_scale=K_SCALE,
