@@ -18,7 +18,8 @@ Kits:
             0.33.0's ops/qsa.py read from its wheel (--v033-wheel, as
             qsa_ops_v033.py), optionally the pinned wheel's compiled _C
             (--with-c: its reshape_and_cache_flash, xz, about 54 MB);
-            qsa_fp8_device_check.py, bench_qsa_row_cache.py (selections)
+            qsa_fp8_device_check.py, bench_qsa_row_cache.py and
+            bench_qsa_staging.py (their selection generators)
 
   python3 scripts/vllm_patches.py tree /tmp/tree
   python3 scripts/bench/make_qsa_device_kit.py --tree /tmp/tree --kit staging --out _device/qsa
@@ -33,7 +34,6 @@ Kits:
 
 import argparse
 import ast
-import lzma
 import re
 import shutil
 import zipfile
@@ -96,7 +96,7 @@ KITS = {
                     (f"{NV}/ops/qsa_row_cache.py", "qsa_row_cache.py"),
                     ("models/qwen4_exp/common/qsa_capacity.py", "qsa_capacity.py")],
         "files": [HERE / "qsa_fp8_device_check.py", HERE / "bench_qsa_row_cache.py",
-                  HERE / "bench_upstream_baselines.py"],
+                  HERE / "bench_qsa_staging.py", HERE / "bench_upstream_baselines.py"],
         "strict": True,
     },
 }
@@ -151,15 +151,15 @@ def add_v033(wheel: Path, out: Path) -> None:
 
 def add_c(out: Path) -> None:
     """The pinned wheel's compiled _C (stable libtorch ABI, loads on the device's
-    torch as is), xz-compressed: its reshape_and_cache_flash writes FP8 bytes."""
-    import importlib.util
+    torch as is), xz-compressed as make_upstream_kit.py packs it: its
+    reshape_and_cache_flash writes FP8 bytes."""
+    import sys
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        raise SystemExit("--with-c needs the pinned vllm installed here (scripts/test.sh builds .venv)")
-    src = Path(spec.origin).parent / "_C_stable_libtorch.abi3.so"
-    with open(src, "rb") as f, lzma.open(out / (src.name + ".xz"), "wb", preset=6) as g:
-        shutil.copyfileobj(f, g)
+    sys.path.insert(0, str(HERE))
+    from make_upstream_kit import SOS, _vllm_dir, xz_pack
+
+    src = _vllm_dir(None) / SOS["_C"]
+    xz_pack(src, out / (src.name + ".xz"))
 
 
 def main() -> None:

@@ -138,6 +138,18 @@ def _sha(path):
     return h.hexdigest()
 
 
+def xz_pack(src: Path, dst: Path, old_sha: str | None = None) -> dict:
+    """xz-compress one compiled extension into a kit (kept when ``dst`` already
+    holds the same sha256); its manifest entry."""
+    info = {"sha256": _sha(src), "bytes": src.stat().st_size, "packed": True}
+    if not (dst.exists() and old_sha == info["sha256"]):
+        # _moe_C 45 -> 38 MB, _C 78 -> ~54 MB: a minute or two on 2 cores
+        with open(src, "rb") as f, lzma.open(dst, "wb", preset=6) as g:
+            shutil.copyfileobj(f, g)
+    info["xz_bytes"] = dst.stat().st_size
+    return info
+
+
 def build(vdir: Path, out: Path, pack_so: bool = True, which: str = "_moe_C",
           humming: Path | None = None) -> dict:
     if not (vdir / OPS / "moe_fused.py").exists() or not (vdir / OPS / "hc_int8.py").exists():
@@ -154,17 +166,13 @@ def build(vdir: Path, out: Path, pack_so: bool = True, which: str = "_moe_C",
            "so": {}}
     for so in [SOS[which]]:
         src = vdir / so
-        dst = out / (so + ".xz")
-        man["so"][so] = {"sha256": _sha(src), "bytes": src.stat().st_size, "packed": pack_so}
         if pack_so:
-            sha = man["so"][so]["sha256"]
             old = out / "MANIFEST.json"
-            same = (dst.exists() and old.exists()
-                    and json.loads(old.read_text()).get("so", {}).get(so, {}).get("sha256") == sha)
-            if not same:  # _moe_C 45 -> 38 MB, _C 78 -> ~54 MB: a minute or two on 2 cores
-                with open(src, "rb") as f, lzma.open(dst, "wb", preset=6) as g:
-                    shutil.copyfileobj(f, g)
-            man["so"][so]["xz_bytes"] = dst.stat().st_size
+            old_sha = (json.loads(old.read_text()).get("so", {}).get(so, {}).get("sha256")
+                       if old.exists() else None)
+            man["so"][so] = xz_pack(src, out / (so + ".xz"), old_sha)
+        else:
+            man["so"][so] = {"sha256": _sha(src), "bytes": src.stat().st_size, "packed": False}
     if humming is not None:
         if not (humming / "forward.py").exists():
             raise SystemExit(f"{humming}: not the humming package (pip install humming-kernels, "

@@ -67,6 +67,7 @@ import qsa_fp8  # noqa: E402
 import qsa_host_kv as qhk  # noqa: E402
 import qsa_row_cache as rc  # noqa: E402
 from dev_stubs import get_accelerator_view_from_cpu_tensor as uva_view  # noqa: E402
+from bench_qsa_staging import selection  # noqa: E402  (its random / clustered top-k)
 from dev_stubs import timed  # noqa: E402
 from qsa_ops import _select_config, qsa_sparse_paged_attention  # noqa: E402
 
@@ -116,24 +117,6 @@ def fill(kv8, kvbf, k_scale, v_scale, gen):
     src = kvbf.transpose(1, 2).float()
     kv8.transpose(1, 2)[..., :D].copy_(qsa_fp8.quantize_kv_e4m3(src[..., :D], k_scale))
     kv8.transpose(1, 2)[..., D:].copy_(qsa_fp8.quantize_kv_e4m3(src[..., D:], v_scale))
-
-
-def packed_random(rows, ctx, gen):
-    idx = torch.rand(rows, ctx, device="cuda", generator=gen).topk(TOPK, dim=1).indices
-    idx = torch.sort(idx, 1).values.to(torch.int32)
-    return torch.cat([idx, torch.full((rows, 1), TOPK, dtype=torch.int32, device="cuda")],
-                     1).contiguous()
-
-
-def packed_clustered(rows, ctx, gen):
-    pool = torch.randperm(ctx, device="cuda", generator=gen)[:min(ctx, 16_384)]
-    picks = pool[torch.rand(rows, pool.numel(), device="cuda", generator=gen)
-                 .topk(TOPK - 256, dim=1).indices]
-    base = ctx - rows - 256 + torch.arange(rows, device="cuda")
-    recent = base[:, None] + torch.arange(256, device="cuda")[None, :]
-    idx = torch.sort(torch.cat([picks, recent], 1), 1).values.to(torch.int32)
-    return torch.cat([idx, torch.full((rows, 1), TOPK, dtype=torch.int32, device="cuda")],
-                     1).contiguous()
 
 
 _maybe_dequant = qsa_fp8._maybe_dequant
@@ -227,7 +210,7 @@ def main():
             q = torch.randn(rows, QH, D, device="cuda", generator=gen).bfloat16()
             gate = torch.randn(rows, QH, D, device="cuda", generator=gen).bfloat16()
             t2r = torch.zeros(rows, dtype=torch.int32, device="cuda")
-            packed = packed_random(rows, ctx, gen)
+            packed = selection(rows, ctx, "random", gen)
             ours, up, bf = (torch.empty_like(q) for _ in range(3))
             qsa_sparse_paged_attention(q, k8, v8, packed, table, t2r, prefill, ours,
                                        output_gate=gate, k_scale=ks, v_scale=vs)
@@ -268,7 +251,7 @@ def main():
         t2r = torch.zeros(rows, dtype=torch.int32, device="cuda")
         tbl = torch.full((1, WIDTH), -1, dtype=torch.int32, device="cuda")
         tbl[0, :ctx_blocks] = table[0, :ctx_blocks]
-        packed = packed_clustered(rows, ctx_blocks * BS, gen)
+        packed = selection(rows, ctx_blocks * BS, "clustered", gen)
         direct, staged = torch.empty_like(q), torch.empty_like(q)
         qsa_sparse_paged_attention(q, k8, v8, packed, tbl, t2r, True, direct, output_gate=gate,
                                    k_scale=0.5, v_scale=2.0)
@@ -390,7 +373,7 @@ def main():
     t2r = torch.zeros(rows, dtype=torch.int32, device="cuda")
     tb = torch.full((1, WIDTH), -1, dtype=torch.int32, device="cuda")
     tb[0, :ctx_blocks] = table[0, :ctx_blocks]
-    packed = packed_clustered(rows, ctx_blocks * BS, gen)
+    packed = selection(rows, ctx_blocks * BS, "clustered", gen)
     out = torch.empty_like(q)
     case = {"rows": rows, "ctx_blocks": ctx_blocks, "pattern": "clustered",
             "distinct": int(torch.unique(packed[:, :-1]).numel())}
